@@ -1,0 +1,20 @@
+"""Shared test configuration: hypothesis profiles and float64 helpers."""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long",
+    deadline=None,
+    max_examples=500,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("REVNET_HYPOTHESIS_PROFILE", "ci"))
