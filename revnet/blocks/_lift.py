@@ -1,0 +1,124 @@
+"""Lifting Haiku functions into pure functions of explicit parameters.
+
+Haiku cannot put a ``jax.custom_vjp`` (or any JAX transform) around module code
+that creates parameters. The blocks therefore run each residual function through
+an inner ``hk.transform_with_state``, register its parameters and state in the
+enclosing module with ``hk.lift_with_state``, and call the pure ``apply`` with
+explicit ``(params, state, rng, x)``. The backward pass can then re-run and
+differentiate the very same pure function.
+
+:class:`Lifted` must be constructed in a module's ``__init__`` (never in a
+helper method: Haiku would then put ``~_method`` into the parameter paths and
+write state to one path while reading it from another).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PureApply = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Casts the floating point leaves of ``tree`` to ``dtype``."""
+    if dtype is None:
+        return tree
+
+    def cast(leaf):
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            return jnp.asarray(leaf, dtype)
+        return leaf
+
+    return jax.tree.map(cast, tree)
+
+
+def zero_cotangent(tree: Any) -> Any:
+    """Zero cotangents for ``tree``: ``float0`` for integer and key leaves."""
+
+    def zero(leaf):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.zeros(jnp.shape(leaf), dtype)
+        return np.zeros(jnp.shape(leaf), jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
+
+
+class Lifted:
+    """A Haiku function lifted into the module that constructs it.
+
+    Args:
+      fn: Function that builds and applies Haiku modules, called as ``fn(x)``.
+      owner: The module constructing this object, from its ``__init__``.
+      name: Name scope of the lifted parameters (``"f"`` gives paths like
+        ``"additive_coupling/~/f/linear"``).
+      compute_dtype: If given, floating parameters and the input are cast to this
+        dtype before ``fn`` runs, and its output is cast back to the input's
+        dtype. Parameters are stored in the dtype they were created in.
+      num_stacked: If given, ``num_stacked`` independently initialised copies
+        of the parameters and state are stacked on a leading axis (as
+        ``hk.layer_stack`` does); ``apply`` then takes one slice.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., jax.Array],
+        owner: hk.Module,
+        name: str,
+        compute_dtype: Any = None,
+        num_stacked: int | None = None,
+    ):
+        self.transformed = hk.transform_with_state(fn)
+        init = self.transformed.init
+        if num_stacked is not None:
+
+            def init(key, *args, **kwargs):
+                keys = jax.random.split(key, num_stacked)
+                return jax.vmap(lambda k: self.transformed.init(k, *args, **kwargs))(
+                    keys
+                )
+
+        self._params_and_state, updater = hk.lift_with_state(
+            init, name=name, allow_reuse=True
+        )
+        # The updater returned above is bound to this call; each application
+        # creates its own (see `update_state`), so that a module can be called
+        # more than once per transform.
+        updater.ignore_update()
+        self._path = f"{owner.module_name}/~/{name}"
+        self.compute_dtype = compute_dtype
+
+    def params_and_state(self, *args: Any, **kwargs: Any) -> tuple[hk.Params, hk.State]:
+        """Creates (init) or fetches (apply) the lifted parameters and state."""
+        key = hk.next_rng_key() if hk.running_init() else None
+        return self._params_and_state(key, *args, **kwargs)
+
+    def update_state(self, state: hk.State) -> None:
+        """Writes the new inner state into the enclosing transform."""
+        if state:
+            hk.LiftWithStateUpdater(self._path).update(state)
+
+    @property
+    def apply(self) -> PureApply:
+        """The pure function ``(params, state, rng, x) -> (y, new_state)``."""
+        return make_pure(self.transformed.apply, self.compute_dtype)
+
+
+def make_pure(apply_fn: PureApply, compute_dtype: Any) -> PureApply:
+    """Wraps ``apply_fn`` in a dtype policy: compute in ``compute_dtype``."""
+    if compute_dtype is None:
+        return apply_fn
+
+    def pure(params, state, rng, x):
+        out, new_state = apply_fn(
+            cast_floats(params, compute_dtype), state, rng, x.astype(compute_dtype)
+        )
+        return out.astype(x.dtype), new_state
+
+    return pure
