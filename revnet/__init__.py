@@ -1,3 +1,14 @@
 """revnet: reversible neural networks with invertible VJPs for JAX and Haiku."""
 
+from revnet.invertible import inverse, invertible
+from revnet.ivjp import NotInvertibleError, custom_ivjp, register_inverse
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "NotInvertibleError",
+    "custom_ivjp",
+    "inverse",
+    "invertible",
+    "register_inverse",
+]

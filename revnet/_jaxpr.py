@@ -1,0 +1,207 @@
+"""The one module that touches jaxpr internals.
+
+Everything revnet needs to know about how JAX represents a traced program lives
+here: how to trace a function to a closed jaxpr, which primitives are nested
+calls and where they keep their body, how to bind a single equation, how to
+recognise a literal or a dropped variable, and how to read an equation's source
+line. JAX promises no stability for these details (``jax.extend`` is explicitly
+unstable, primitive names change, ``pjit`` became ``jit``), so a JAX upgrade
+should only ever need to touch this file.
+
+The rest of revnet sees equations through a handful of small functions:
+
+* :func:`trace` turns a function of flat arguments into ``(jaxpr, consts)``
+  with the closed-over values as ordinary leading input variables;
+* :func:`call_body` returns the body of a nested call equation, or ``None``;
+* :func:`scan_params` describes a ``scan`` equation;
+* :func:`bind` runs one equation on concrete or traced values;
+* :func:`where` names the user's source line of an equation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+try:  # jax >= 0.4.36
+    from jax.extend import source_info_util as _siu
+except ImportError:  # pragma: no cover - older JAX
+    _siu = None
+
+Var = jex_core.Var
+Literal = jex_core.Literal
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+
+# Names of nested-call primitives, across JAX versions, with the param that
+# holds their body. ``jit`` was ``pjit`` before jax 0.7; ``custom_vjp_call`` was
+# ``custom_vjp_call_jaxpr`` (body in ``fun_jaxpr``) before jax 0.6.1; ``remat``
+# prints as ``remat2`` and was ``checkpoint`` in some versions.
+_CALL_BODY_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+_CUSTOM_VJP_NAMES = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A nested jaxpr with its constants bound to leading input variables."""
+
+    jaxpr: Jaxpr
+    consts: tuple[Any, ...]
+
+
+def is_literal(v: Any) -> bool:
+    return isinstance(v, Literal)
+
+
+def literal_value(v: Any) -> Any:
+    return v.val
+
+
+def is_dropvar(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def aval(v: Any) -> Any:
+    return v.aval
+
+
+def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Jaxpr, list, Any]:
+    """Traces ``fun(*args)`` (flat arrays) to an open jaxpr plus its consts.
+
+    Returns:
+      ``(jaxpr, consts, out_tree)``; ``jaxpr.invars`` are the consts' variables
+      followed by the arguments' variables, and ``jaxpr.constvars`` is empty.
+      ``consts`` holds every closed-over value, possibly tracers of an outer
+      transformation or integer arrays (keys, counters).
+    """
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    jaxpr = closed.jaxpr
+    consts = list(closed.consts)
+    open_jaxpr = jaxpr.replace(
+        constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars)
+    )
+    return open_jaxpr, consts, out_tree
+
+
+def _as_body(j: Any) -> Body:
+    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
+        inner, consts = j.jaxpr, tuple(j.consts)
+    else:
+        inner, consts = j, ()
+    if inner.constvars:
+        if not consts:  # open jaxpr with constvars: not expected, refuse.
+            raise NotImplementedError("open nested jaxpr with unbound constvars")
+        inner = inner.replace(
+            constvars=[], invars=list(inner.constvars) + list(inner.invars)
+        )
+    return Body(inner, consts)
+
+
+def call_body(eqn: JaxprEqn) -> Body | None:
+    """The body of a nested-call equation (jit, custom_jvp/vjp, remat), or None.
+
+    The body's input variables are its constants' variables followed by the
+    equation's inputs, in order.
+    """
+    name = eqn.primitive.name
+    param = _CALL_BODY_PARAM.get(name)
+    if param is None or param not in eqn.params:
+        return None
+    return _as_body(eqn.params[param])
+
+
+def custom_vjp_bwd(eqn: JaxprEqn) -> Any:
+    """The user's backward function of a ``custom_vjp_call`` equation, or None."""
+    if eqn.primitive.name not in _CUSTOM_VJP_NAMES:
+        return None
+    bwd = eqn.params.get("bwd")
+    return getattr(bwd, "f", bwd)
+
+
+def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
+    return int(eqn.params.get("num_consts", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    body: Body
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+
+
+def scan_params(eqn: JaxprEqn) -> ScanParams | None:
+    """Describes a ``scan`` equation, or returns None for anything else."""
+    if eqn.primitive.name != "scan":
+        return None
+    p = eqn.params
+    return ScanParams(
+        body=_as_body(p["jaxpr"]),
+        num_consts=int(p["num_consts"]),
+        num_carry=int(p["num_carry"]),
+        length=int(p["length"]),
+        reverse=bool(p["reverse"]),
+    )
+
+
+def primitive_name(eqn: JaxprEqn) -> str:
+    return eqn.primitive.name
+
+
+def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
+    """Runs one equation on ``args``; always returns a list of outputs."""
+    prim = eqn.primitive
+    params = prim.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
+        subfuns, params = params
+    else:
+        subfuns = ()
+    with eqn.ctx.manager:
+        out = prim.bind(*subfuns, *args, **params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def eval_body(body: Body, *args: Any) -> list[Any]:
+    """Evaluates a nested body on its (non-const) inputs."""
+    return list(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(body.jaxpr, ()))(
+        *body.consts, *args
+    ))
+
+
+_JAX_DIR = os.path.dirname(jax.__file__)
+
+
+def where(eqn: JaxprEqn) -> str:
+    """The user's source line of ``eqn``, or ``""`` when it has only library frames."""
+    if _siu is None:  # pragma: no cover
+        return ""
+    try:
+        summary = _siu.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - defensive: never fail an error message
+        return ""
+    if not summary or summary.startswith(_JAX_DIR):
+        return ""
+    return summary
+
+
+def float0_zeros(shape: Sequence[int]) -> np.ndarray:
+    return np.zeros(tuple(shape), dtype=jax.dtypes.float0)
