@@ -1,0 +1,458 @@
+"""Reversible loops: ``while_loop`` and ``scan`` whose backward runs the body backwards.
+
+``jax.lax.while_loop`` cannot be reverse-differentiated at all, and
+``jax.lax.scan`` stores every carry (and the body's activations) for the
+backward pass, so its memory grows with the number of steps. When the loop
+body is invertible in its carry neither is necessary: the forward pass keeps
+only the final carry, the trip count and the closed-over constants, and the
+backward pass walks back step by step, rebuilding each carry from the next by
+running the body's inverse, fused with the body's VJP (the evaluation of
+``F(x2)`` that rebuilds ``x1 = y1 - F(x2)`` is the one whose VJP is taken).
+
+* :func:`while_loop` has ``jax.lax.while_loop``'s contract plus an optional
+  bound ``max_steps``. The trip count is recorded by the forward pass, never
+  recomputed from the rebuilt carry, and the backward pass is a
+  ``lax.while_loop`` that runs exactly that many inverse steps: its cost follows
+  the steps actually taken, not ``max_steps``.
+* :func:`scan` has ``jax.lax.scan``'s contract; ``xs`` and ``ys`` are handled
+  as extensive inputs and outputs (``ys`` are kept, not recomputed).
+
+Both are ``jax.custom_vjp`` functions: activation memory of the backward pass
+does not depend on the number of steps, they compose with ``jit``, ``vmap`` and
+``grad``, and forward-mode differentiation (``jvp``, ``jacfwd``, ``hessian``)
+is not available. The body is traced once to a jaxpr and checked by the same
+invertibility analysis as :func:`revnet.invertible`; a body that cannot be
+inverted raises :class:`revnet.NotInvertibleError` when the loop is traced.
+Values the body closes over (weights, step sizes, keys) become explicit inputs
+of the custom VJP, so they receive gradients also when they are tracers of an
+outer transformation. Integer parts of the carry (step counters) are allowed
+when the body updates them invertibly (``i + 1``); they get no gradient.
+
+Under ``vmap`` a batch whose elements stop at different steps works as with
+``lax.while_loop``: the loop runs until every element has stopped and finished
+elements are left unchanged (by a select), so each element records its own
+trip count; in the backward pass an element whose steps are used up is left
+unchanged in the same way, so it is walked back exactly its own trip count.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from revnet import _jaxpr
+from revnet.invertible import (
+    _analyze,
+    _error,
+    _is_float_aval,
+    _run_plan,
+    _run_scan,
+    _Scan,
+    _Stuck,
+    _zeros_ct,
+)
+
+__all__ = ["scan", "while_loop"]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+# Testing aid (see ``_record_backward_steps`` in the tests): callbacks that, when
+# present while a backward pass is traced, receive the remaining-step counter of
+# every backward iteration at run time.
+_BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
+
+
+# --------------------------------------------------------------------------- #
+# Helpers shared by both loops.
+
+
+def _strong(x: Any) -> jax.Array:
+    """``x`` as an array with a definite (not weak) dtype, as the loop carry."""
+    x = jnp.asarray(x)
+    return jnp.asarray(x, dtype=x.dtype)
+
+
+def _leaf_paths(prefix: str, tree: Any) -> list[str]:
+    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [prefix + jax.tree_util.keystr(p) for p, _ in paths]
+
+
+def _avals(vars_: Any) -> list[Any]:
+    return [_jaxpr.aval(v) for v in vars_]
+
+
+def _describe(avals: Any) -> str:
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+
+
+def _check_carry(
+    fname: str, in_tree: Any, out_tree: Any, in_avals: list, out_avals: list
+) -> None:
+    """Raises TypeError unless the body returns a carry of the same type."""
+    if in_tree != out_tree:
+        raise TypeError(
+            f"{fname} must return a carry with the same structure as its input: "
+            f"got {out_tree}, expected {in_tree}"
+        )
+    for a, b in zip(in_avals, out_avals):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise TypeError(
+                f"{fname} must return a carry with the same shapes and dtypes as its "
+                f"input: got ({_describe(out_avals)}), expected ({_describe(in_avals)})"
+            )
+
+
+def _zero_cts(avals: list) -> list:
+    """Zero cotangents, ``float0`` for the integer (or key) ones."""
+    return [_zeros_ct(a) for a in avals]
+
+
+def _fill_cts(cts: list, avals: list) -> list:
+    """Cotangents as a custom VJP must return them: zeros for None, float0 for ints."""
+    return [
+        c if c is not None and _is_float_aval(a) else _zeros_ct(a)
+        for c, a in zip(cts, avals)
+    ]
+
+
+def _float_or_none(cts: list, avals: list) -> list:
+    """Cotangents for the loop state: zeros for None, None for non-float values."""
+    out = []
+    for c, a in zip(cts, avals):
+        if not _is_float_aval(a):
+            out.append(None)
+        elif c is None or getattr(c, "dtype", None) == jax.dtypes.float0:
+            out.append(jnp.zeros(a.shape, a.dtype))
+        else:
+            out.append(c)
+    return out
+
+
+def _add_cts(acc: list, new: list) -> list:
+    return [
+        None if a is None else (a if b is None else a + b) for a, b in zip(acc, new)
+    ]
+
+
+def _check_max_steps(max_steps: Any) -> int | None:
+    if max_steps is None:
+        return None
+    if isinstance(max_steps, bool):
+        raise TypeError(f"max_steps must be a non-negative integer, got {max_steps!r}")
+    try:
+        bound = operator.index(max_steps)
+    except TypeError:
+        raise TypeError(
+            "max_steps must be a non-negative integer known at trace time (a Python "
+            f"or NumPy integer), got {max_steps!r}"
+        ) from None
+    if bound < 0:
+        raise ValueError(f"max_steps must be non-negative, got {bound}")
+    if bound > _INT32_MAX:
+        raise ValueError(f"max_steps must be at most {_INT32_MAX}, got {bound}")
+    return bound
+
+
+# --------------------------------------------------------------------------- #
+# while_loop.
+
+
+def while_loop(
+    cond_fun: Callable[[Any], Any],
+    body_fun: Callable[[Any], Any],
+    init_val: Any,
+    max_steps: int | None = None,
+) -> Any:
+    """``lax.while_loop`` with a memory-efficient, invertible VJP.
+
+    Runs ``val = body_fun(val)`` while ``cond_fun(val)`` is true (and, when
+    ``max_steps`` is given, at most ``max_steps`` times) and returns the final
+    ``val``. Unlike ``lax.while_loop`` it can be reverse-differentiated: the
+    forward pass saves only the final carry, the number of steps taken and the
+    values ``body_fun`` closes over, and the backward pass runs exactly that many
+    steps of ``body_fun``'s inverse, fused with its VJP. Backward memory does not
+    depend on the number of steps, and backward cost follows the steps actually
+    taken, not ``max_steps``.
+
+    ``cond_fun`` may depend on the carry (data-dependent stopping); it gets no
+    gradient (the loop's output is piecewise in it), and is not re-evaluated in
+    the backward pass. Under ``vmap``, elements that stop at different steps
+    each get their own trip count and exact gradients.
+
+    Example::
+
+        def body(c):
+            x1, x2, t = c
+            x1 = x1 + dt * jnp.tanh(x2 @ w1)
+            x2 = x2 + dt * jnp.tanh(x1 @ w2)
+            return x1, x2, t + dt
+
+        x1, x2, t = revnet.while_loop(lambda c: c[2] < t_end, body,
+                                      (x1, x2, 0.0), max_steps=1000)
+
+    Args:
+      cond_fun: ``cond_fun(val) -> bool scalar``.
+      body_fun: ``body_fun(val) -> val``, invertible in ``val`` equation by
+        equation (as for :func:`revnet.invertible`; the values it closes over are
+        constants of the inversion). Integer leaves of ``val`` must be updated
+        invertibly (``i + 1``) and get no gradient.
+      init_val: the initial carry, a pytree of arrays.
+      max_steps: optional bound on the number of steps, a non-negative integer
+        known at trace time.
+
+    Returns:
+      The final carry, with the structure of ``init_val``.
+
+    Raises:
+      NotInvertibleError: when ``body_fun`` cannot be inverted in the carry; the
+        message names the equation, the carry leaf and the source line.
+      TypeError: when ``max_steps`` is not an integer, ``cond_fun`` does not
+        return a boolean scalar, or ``body_fun`` changes the carry's type.
+      ValueError: when ``max_steps`` is negative.
+    """
+    bound = _check_max_steps(max_steps)
+    bname = getattr(body_fun, "__name__", "body_fun")
+    leaves, tree = jax.tree_util.tree_flatten(init_val)
+    leaves = [_strong(x) for x in leaves]
+    out_tree_box: list = []
+
+    def flat_body(*carry):
+        out = body_fun(jax.tree_util.tree_unflatten(tree, carry))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    def flat_cond(*carry):
+        return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
+
+    body_jaxpr, body_consts, _ = _jaxpr.trace(flat_body, leaves)
+    nk = len(body_consts)
+    carry_avals = _avals(body_jaxpr.invars[nk:])
+    _check_carry(bname, tree, out_tree_box[-1], carry_avals,
+                 _avals(body_jaxpr.outvars))
+    cond_jaxpr, cond_consts, _ = _jaxpr.trace(flat_cond, leaves)
+    pred = _avals(cond_jaxpr.outvars)
+    if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
+        raise TypeError(
+            f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
+        )
+    try:
+        plan = _analyze(body_jaxpr, (True,) * nk + (False,) * len(leaves),
+                        (True,) * len(leaves))
+    except _Stuck as stuck:
+        raise _error(stuck, _leaf_paths("init_val", init_val), nk,
+                              bname) from None
+    run = _make_while(body_jaxpr, cond_jaxpr, plan, nk, bound)
+    final = run(list(body_consts), list(cond_consts), leaves)
+    return jax.tree_util.tree_unflatten(tree, final)
+
+
+def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
+    """The custom-VJP function ``run(body_consts, cond_consts, carry) -> carry``."""
+    body = _jaxpr.Body(body_jaxpr, ())
+    cond = _jaxpr.Body(cond_jaxpr, ())
+    k_avals = _avals(body_jaxpr.invars[:nk])
+    c_avals = _avals(body_jaxpr.invars[nk:])
+    q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
+
+    def forward(bk, ck, carry):
+        def go(state):
+            n, c = state
+            p = _jaxpr.eval_body(cond, *ck, *c)[0]
+            return p if bound is None else jnp.logical_and(p, n < bound)
+
+        def step(state):
+            n, c = state
+            return n + 1, _jaxpr.eval_body(body, *bk, *c)
+
+        return lax.while_loop(go, step, (jnp.zeros((), jnp.int32), list(carry)))
+
+    @jax.custom_vjp
+    def run(bk, ck, carry):
+        return forward(bk, ck, carry)[1]
+
+    def fwd(bk, ck, carry):
+        n, final = forward(bk, ck, carry)
+        return final, (bk, final, n)
+
+    def bwd(res, cts):
+        bk, final, n = res
+        hooks = tuple(_BACKWARD_STEP_HOOKS)
+
+        def go(state):
+            return state[0] > 0
+
+        def step(state):
+            m, c, ctc, ctk = state
+            for hook in hooks:
+                jax.debug.callback(hook, m)
+            prev, in_cts = _run_plan(plan, list(bk), list(c), list(ctc))
+            in_cts = _float_or_none(in_cts, k_avals + c_avals)
+            return m - 1, prev, in_cts[nk:], _add_cts(ctk, in_cts[:nk])
+
+        state = (n, list(final), _float_or_none(list(cts), c_avals),
+                 _float_or_none([None] * nk, k_avals))
+        _, _, ct_init, ct_k = lax.while_loop(go, step, state)
+        return (_fill_cts(ct_k, k_avals), _zero_cts(q_avals),
+                _fill_cts(ct_init, c_avals))
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+# --------------------------------------------------------------------------- #
+# scan.
+
+
+def _scan_length(xs_leaves: list, length: int | None) -> int:
+    lengths = {int(np.shape(x)[0]) for x in xs_leaves if np.ndim(x) > 0}
+    if any(np.ndim(x) == 0 for x in xs_leaves):
+        raise ValueError("scan got a scalar in xs; every leaf of xs needs a leading "
+                         "axis to scan over")
+    if length is not None:
+        try:
+            length = operator.index(length)
+        except TypeError:
+            raise TypeError(f"length must be an integer, got {length!r}") from None
+        if length < 0:
+            raise ValueError(f"length must be non-negative, got {length}")
+        lengths.add(length)
+    if len(lengths) > 1:
+        raise ValueError(
+            "scan got inconsistent lengths: the leading axes of xs and length give "
+            f"{sorted(lengths)}"
+        )
+    if not lengths:
+        raise ValueError("scan needs xs with a leading axis or an explicit length")
+    return lengths.pop()
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+) -> tuple[Any, Any]:
+    """``lax.scan`` with a memory-efficient, invertible VJP.
+
+    Computes the same values as ``jax.lax.scan(f, init, xs, length, reverse)``.
+    Under reverse-mode differentiation the forward pass saves only the final
+    carry, the stacked outputs ``ys`` (which are outputs anyway), ``xs`` and the
+    values ``f`` closes over; the backward pass is one reverse ``lax.scan`` that
+    rebuilds each carry from the next by inverting ``f``, fused with ``f``'s
+    VJP. Backward activation memory does not depend on the number of steps
+    (beyond the cotangents of ``xs``, which are results).
+
+    Example::
+
+        def step(c, w):
+            x1, x2 = c
+            x1 = x1 + jnp.tanh(x2 @ w[0])
+            x2 = x2 + jnp.tanh(x1 @ w[1])
+            return (x1, x2), jnp.mean(x2)
+
+        (x1, x2), means = revnet.scan(step, (x1, x2), weights)
+
+    Args:
+      f: ``f(carry, x) -> (carry, y)``, invertible in ``carry`` given ``x``
+        (equation by equation, as for :func:`revnet.invertible`). Integer
+        leaves of the carry must be updated invertibly and get no gradient.
+      init: the initial carry, a pytree of arrays.
+      xs: a pytree of arrays with a common leading axis to scan over, or None.
+      length: the number of steps; required when ``xs`` is None.
+      reverse: scan from the end of ``xs`` to the start, as in ``lax.scan``.
+
+    Returns:
+      ``(final_carry, ys)`` with ``ys`` stacked along a leading axis.
+
+    Raises:
+      NotInvertibleError: when ``f`` cannot be inverted in the carry.
+      TypeError: when ``f`` changes the carry's type or ``length`` is not an
+        integer.
+      ValueError: when the lengths of ``xs`` and ``length`` disagree or neither
+        is given.
+    """
+    fname = getattr(f, "__name__", "f")
+    c_leaves, c_tree = jax.tree_util.tree_flatten(init)
+    c_leaves = [_strong(x) for x in c_leaves]
+    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
+    x_leaves = [jnp.asarray(x) for x in x_leaves]
+    n = _scan_length(x_leaves, length)
+    x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
+    nc = len(c_leaves)
+    trees: list = []
+
+    def flat_f(*flat):
+        carry = jax.tree_util.tree_unflatten(c_tree, flat[:nc])
+        x = jax.tree_util.tree_unflatten(x_tree, flat[nc:])
+        out = f(carry, x)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"{fname} must return a pair (carry, y), got {out!r}")
+        c_out, c_out_tree = jax.tree_util.tree_flatten(out[0])
+        y_out, y_tree = jax.tree_util.tree_flatten(out[1])
+        trees.append((c_out_tree, y_tree))
+        return c_out + y_out
+
+    jaxpr, consts, _ = _jaxpr.trace(flat_f, c_leaves + x_slices)
+    nk = len(consts)
+    c_out_tree, y_tree = trees[-1]
+    _check_carry(fname, c_tree, c_out_tree, _avals(jaxpr.invars[nk:nk + nc]),
+                 _avals(jaxpr.outvars[:nc]))
+    nx = len(x_leaves)
+    try:
+        plan = _analyze(jaxpr, (True,) * nk + (False,) * nc + (True,) * nx,
+                        (True,) * len(jaxpr.outvars))
+    except _Stuck as stuck:
+        raise _error(stuck, _leaf_paths("init", init), nk, fname) from None
+    params = _jaxpr.ScanParams(_jaxpr.Body(jaxpr, ()), nk, nc, n, bool(reverse))
+    step = _Scan(-1, (), params, plan, (True,) * nx,
+                 (True,) * (len(jaxpr.outvars) - nc))
+    run = _make_scan(step)
+    final, ys = run(list(consts), c_leaves, x_leaves)
+    return (jax.tree_util.tree_unflatten(c_tree, final),
+            jax.tree_util.tree_unflatten(y_tree, ys))
+
+
+def _make_scan(step: _Scan):
+    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
+    sp = step.params
+    nk, nc = sp.num_consts, sp.num_carry
+    invars = sp.body.jaxpr.invars
+    k_avals = _avals(invars[:nk])
+    c_avals = _avals(invars[nk:nk + nc])
+    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc:])]
+
+    def forward(consts, init, xs):
+        def body(c, x):
+            out = _jaxpr.eval_body(sp.body, *consts, *c, *x)
+            return out[:nc], out[nc:]
+
+        return lax.scan(body, list(init), list(xs), length=sp.length,
+                        reverse=sp.reverse)
+
+    @jax.custom_vjp
+    def run(consts, init, xs):
+        return forward(consts, init, xs)
+
+    def fwd(consts, init, xs):
+        final, ys = forward(consts, init, xs)
+        return (final, ys), (consts, xs, final, ys)
+
+    def bwd(res, cts):
+        consts, xs, final, ys = res
+        ct_final, ct_ys = cts
+        known = list(consts) + [None] * nc + list(xs)
+        _, in_cts = _run_scan(step, known, list(final) + list(ys),
+                              list(ct_final) + list(ct_ys))
+        in_cts = _fill_cts(in_cts, k_avals + c_avals + x_avals)
+        return in_cts[:nk], in_cts[nk:nk + nc], in_cts[nk + nc:]
+
+    run.defvjp(fwd, bwd)
+    return run
