@@ -514,7 +514,11 @@ class _Interpreter:
 
     def demand(self, vars_):
         """Runs the steps that produce ``vars_``, and their prerequisites."""
-        stack = [self.plan.producer[v] for v in vars_ if v not in self.env]
+        stack = [
+            self.plan.producer[v]
+            for v in vars_
+            if not _jaxpr.is_literal(v) and v not in self.env
+        ]
         while stack:
             s = stack[-1]
             if s in self.done:
@@ -540,14 +544,14 @@ class _Interpreter:
         if isinstance(step, _Tile):
             return [v for j in step.eqns for v in eqns[j].outvars]
         eqn = eqns[step.eqn]
-        unknown = set(self._solves(step))
+        unknown = set(step.unknown)
         outs = [v for v in eqn.outvars if not _jaxpr.is_dropvar(v)]
         if isinstance(step, _Scan):
             ncar = step.params.num_carry
             outs = outs[:ncar] + [
                 v for v, k in zip(eqn.outvars[ncar:], step.known_ys) if k
             ]
-        return [v for v in eqn.invars if v not in unknown] + outs
+        return [v for n, v in enumerate(eqn.invars) if n not in unknown] + outs
 
     def _solves(self, step):
         eqn = self.plan.eqns[step.eqn]

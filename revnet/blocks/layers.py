@@ -1,0 +1,259 @@
+"""Helpers for real reversible models.
+
+* :class:`Squeeze` (space-to-depth, i-RevNet's invertible downsampling) and
+  :class:`ChannelPermutation` are invertible, have no parameters, and can be
+  chained with couplings inside a block of a ``ReversibleSequence``.
+* :class:`StageTransition` is RevNet's *non*-reversible downsampling unit
+  between stages (a strided convolution); like any Haiku module it stores its
+  input for the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import haiku as hk
+import jax
+import numpy as np
+
+from revnet.blocks import _tape
+from revnet.blocks._checks import check_input
+
+
+class PermutationRule(NamedTuple):
+    """A parameterless permutation of the elements of ``x``.
+
+    Its Jacobian is a permutation matrix, so the cotangent of the input is the
+    inverse permutation of the output's cotangent.
+    """
+
+    permute: Callable[[jax.Array], jax.Array]
+    unpermute: Callable[[jax.Array], jax.Array]
+
+    def forward(self, params, aux, x):
+        return self.permute(x), ()
+
+    def inverse(self, params, aux, y):
+        return self.unpermute(y)
+
+    def backward(self, params, aux, y, dy):
+        return self.unpermute(y), self.unpermute(dy), params
+
+
+def _apply_permutation(rule: PermutationRule, x: Any, out_shape: tuple) -> Any:
+    if _tape.is_recording():
+        return _tape.emit(rule, (), (), x, out_shape)
+    return rule.permute(x)
+
+
+def space_to_depth(x: jax.Array, factor: int) -> jax.Array:
+    """``[b, h, w, c] -> [b, h / factor, w / factor, c * factor**2]``."""
+    b, h, w, c = x.shape
+    x = x.reshape(b, h // factor, factor, w // factor, factor, c)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(
+        b, h // factor, w // factor, factor * factor * c
+    )
+
+
+def depth_to_space(y: jax.Array, factor: int) -> jax.Array:
+    """The inverse of :func:`space_to_depth`."""
+    b, h, w, c = y.shape
+    c //= factor * factor
+    y = y.reshape(b, h, w, factor, factor, c)
+    return y.transpose(0, 1, 3, 2, 4, 5).reshape(b, h * factor, w * factor, c)
+
+
+class Squeeze(hk.Module):
+    """Invertible space-to-depth downsampling (i-RevNet, Glow's squeeze).
+
+    Moves each ``factor x factor`` spatial patch into channels:
+    ``[b, h, w, c] -> [b, h / factor, w / factor, c * factor**2]``.
+
+    Example:
+
+    >>> squeeze = hk.transform(lambda x: Squeeze()(x))
+    >>> squeeze.apply({}, None, jnp.ones([1, 4, 4, 3])).shape
+    (1, 2, 2, 12)
+    """
+
+    def __init__(self, factor: int = 2, name: str | None = None):
+        """Constructs the module.
+
+        Args:
+          factor: Spatial downsampling factor.
+          name: Name of the module.
+        """
+        super().__init__(name=name)
+        self.factor = factor
+        self._rule = PermutationRule(
+            lambda x: space_to_depth(x, factor), lambda y: depth_to_space(y, factor)
+        )
+
+    def _check(self, x: Any, channel_multiple: int) -> None:
+        expected = (
+            f"[batch, height, width, channels] with height and width divisible by "
+            f"{self.factor}"
+        )
+        check_input(self.module_name, x, rank=4, expected=expected)
+        _, h, w, c = x.shape
+        if h % self.factor or w % self.factor or c % channel_multiple:
+            raise ValueError(
+                f"{self.module_name}: expected shape {expected}, got {tuple(x.shape)}."
+            )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Squeezes ``x`` of shape ``[batch, height, width, channels]``."""
+        self._check(x, 1)
+        b, h, w, c = x.shape
+        f = self.factor
+        return _apply_permutation(self._rule, x, (b, h // f, w // f, c * f * f))
+
+    def inverse(self, y: jax.Array) -> jax.Array:
+        """Depth-to-space: rebuilds the input from the output ``y``.
+
+        Args:
+          y: Output of this module, ``[batch, height, width, channels]``.
+
+        Returns:
+          ``[batch, height * factor, width * factor, channels / factor**2]``.
+
+        Raises:
+          ValueError: If ``y`` is not rank 4 or its channels are not divisible by
+            ``factor**2``.
+          TypeError: If ``y`` is not floating point.
+        """
+        check_input(self.module_name, y, rank=4, expected="[batch, h, w, channels]")
+        if y.shape[-1] % (self.factor**2):
+            raise ValueError(
+                f"{self.module_name}: the channels of the output must be divisible by "
+                f"{self.factor**2}, got shape {tuple(y.shape)}."
+            )
+        return self._rule.unpermute(y)
+
+
+class ChannelPermutation(hk.Module):
+    """A fixed permutation of the last axis (mixes the two coupling halves).
+
+    Example:
+
+    >>> perm = hk.transform(lambda x: ChannelPermutation("reverse")(x))
+    >>> perm.apply({}, None, jnp.arange(4.0)[None])
+    Array([[3., 2., 1., 0.]], dtype=float32)
+    """
+
+    def __init__(self, kind: str = "random", seed: int = 0, name: str | None = None):
+        """Constructs the module.
+
+        Args:
+          kind: ``"random"`` for a permutation drawn once from ``seed`` (fixed, not
+            a parameter), or ``"reverse"`` to reverse the channel order.
+          seed: Seed of the random permutation.
+          name: Name of the module.
+
+        Raises:
+          ValueError: If ``kind`` is unknown.
+        """
+        super().__init__(name=name)
+        if kind not in ("random", "reverse"):
+            raise ValueError(
+                f"{self.module_name}: kind must be 'random' or 'reverse', got {kind!r}."
+            )
+        self.kind = kind
+        self.seed = seed
+
+    def _rule(self, x: Any) -> PermutationRule:
+        check_input(self.module_name, x, min_rank=1, expected="[..., channels]")
+        channels = x.shape[-1]
+        if self.kind == "reverse":
+            perm = np.arange(channels)[::-1]
+        else:
+            perm = np.random.RandomState(self.seed).permutation(channels)
+        inv = np.argsort(perm)
+        return PermutationRule(lambda x: x[..., perm], lambda y: y[..., inv])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Permutes the last axis of ``x``."""
+        return _apply_permutation(self._rule(x), x, x.shape)
+
+    def inverse(self, y: jax.Array) -> jax.Array:
+        """Undoes the permutation of the last axis of ``y``.
+
+        Args:
+          y: Output of this module, ``[..., channels]``.
+
+        Returns:
+          The input with ``self(x) == y``.
+
+        Raises:
+          TypeError: If ``y`` is not floating point.
+        """
+        return self._rule(y).unpermute(y)
+
+
+class StageTransition(hk.Module):
+    """RevNet's non-reversible downsampling unit between stages.
+
+    A pre-activation residual unit with a strided convolution and a projection
+    shortcut: ``y = conv_s(relu(bn(conv(relu(bn(x)))))) + proj_s(x)``. It
+    changes the number of channels and the resolution, so it cannot be inverted:
+    like any Haiku module, it stores its input for the backward pass (RevNet
+    does the same; there are only a few such units per network).
+
+    Example:
+
+    >>> net = hk.transform_with_state(lambda x: StageTransition(8, 2)(x, True))
+    >>> x = jnp.ones([2, 8, 8, 4])
+    >>> params, state = net.init(jax.random.PRNGKey(0), x)
+    >>> net.apply(params, state, None, x)[0].shape
+    (2, 4, 4, 8)
+    """
+
+    def __init__(
+        self,
+        output_channels: int,
+        stride: int = 2,
+        bn_config: dict[str, Any] | None = None,
+        name: str | None = None,
+    ):
+        """Constructs the unit.
+
+        Args:
+          output_channels: Channels of the output.
+          stride: Spatial stride.
+          bn_config: Keyword arguments of ``hk.BatchNorm`` (defaults: scale and
+            offset, ``decay_rate=0.9``).
+          name: Name of the module.
+        """
+        super().__init__(name=name)
+        self.output_channels = output_channels
+        self.stride = stride
+        self.bn_config = {
+            "create_scale": True,
+            "create_offset": True,
+            "decay_rate": 0.9,
+            **(bn_config or {}),
+        }
+
+    def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
+        """Downsamples ``x`` of shape ``[batch, height, width, channels]``."""
+        check_input(self.module_name, x, rank=4, expected="[batch, h, w, channels]")
+        h = jax.nn.relu(hk.BatchNorm(**self.bn_config)(x, is_training))
+        shortcut = hk.Conv2D(
+            self.output_channels, 1, stride=self.stride, with_bias=False, name="proj"
+        )(h)
+        h = hk.Conv2D(self.output_channels, 3, stride=self.stride, name="conv_0")(h)
+        h = hk.BatchNorm(**self.bn_config)(h, is_training)
+        h = hk.Conv2D(self.output_channels, 3, name="conv_1")(jax.nn.relu(h))
+        return h + shortcut
+
+    def inverse(self, y: jax.Array, is_training: bool = False) -> jax.Array:
+        """Always raises: a strided convolution has no inverse.
+
+        Raises:
+          NotImplementedError: Always.
+        """
+        raise NotImplementedError(
+            f"{self.module_name}: a strided stage transition is not invertible; "
+            "use Squeeze for invertible downsampling."
+        )
