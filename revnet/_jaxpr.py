@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,6 +129,17 @@ def call_body(eqn: JaxprEqn) -> Body | None:
     return _as_body(eqn.params[param])
 
 
+def call_name(eqn: JaxprEqn) -> str:
+    """The name of the function a nested call wraps (``relu``), or ``""``."""
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    body = call_body(eqn)
+    info = getattr(body.jaxpr, "debug_info", None) if body is not None else None
+    src = getattr(info, "func_src_info", None)
+    return src.split(" ")[0] if isinstance(src, str) and src else ""
+
+
 def custom_vjp_bwd(eqn: JaxprEqn) -> Any:
     """The user's backward function of a ``custom_vjp_call`` equation, or None."""
     if eqn.primitive.name not in _CUSTOM_VJP_NAMES:
@@ -182,12 +194,16 @@ def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
 
 def eval_body(body: Body, *args: Any) -> list[Any]:
     """Evaluates a nested body on its (non-const) inputs."""
-    return list(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(body.jaxpr, ()))(
-        *body.consts, *args
-    ))
+    return list(
+        jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(body.jaxpr, ()))(*body.consts, *args)
+    )
 
 
 _JAX_DIR = os.path.dirname(jax.__file__)
+_REVNET_DIR = os.path.dirname(os.path.abspath(__file__))
+if _siu is not None and hasattr(_siu, "register_exclusion"):
+    # Frames inside revnet are library frames: name the user's call site instead.
+    _siu.register_exclusion(_REVNET_DIR + os.sep)
 
 
 def where(eqn: JaxprEqn) -> str:
@@ -198,10 +214,17 @@ def where(eqn: JaxprEqn) -> str:
         summary = _siu.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - defensive: never fail an error message
         return ""
-    if not summary or summary.startswith(_JAX_DIR):
+    if not summary or summary.startswith((_JAX_DIR, _REVNET_DIR)):
         return ""
     return summary
 
 
-def float0_zeros(shape: Sequence[int]) -> np.ndarray:
-    return np.zeros(tuple(shape), dtype=jax.dtypes.float0)
+def caller_site() -> str:
+    """``file:line (function)`` of the innermost frame outside revnet and JAX."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_JAX_DIR, _REVNET_DIR)):
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return ""

@@ -160,18 +160,13 @@ class _Failure:
                 chain.append(chain[-1].inner)
             deepest = chain[-1]
             text = f"`{_jaxpr.primitive_name(deepest.eqn)}` inside `{name}`"
-            if _call_name(self.eqn):
-                text += f" ({_call_name(self.eqn)})"
+            if _jaxpr.call_name(self.eqn):
+                text += f" ({_jaxpr.call_name(self.eqn)})"
             reason = deepest.reason
             where = deepest.where or self.where
         else:
             reason, where = self.reason, self.where
         return text, reason, where
-
-
-def _call_name(eqn) -> str:
-    name = eqn.params.get("name")
-    return name if isinstance(name, str) else ""
 
 
 class _Stuck(Exception):
@@ -247,7 +242,8 @@ class _Analysis:
                         queue.append(j)
                         queued.add(j)
         unknown = [
-            n for n, (v, k) in enumerate(zip(self.jaxpr.invars, known_in))
+            n
+            for n, (v, k) in enumerate(zip(self.jaxpr.invars, known_in))
             if not k and v not in self.known
         ]
         if unknown:
@@ -305,8 +301,9 @@ class _Analysis:
         unknown = tuple(n for n, k in enumerate(ins) if not k)
         unknown_vars = [eqn.invars[n] for n in unknown]
         if len(set(unknown_vars)) != len(unknown_vars):
-            self._fail(i, eqn, "the same unknown value is used more than once as its "
-                       "input")
+            self._fail(
+                i, eqn, "the same unknown value is used more than once as its input"
+            )
             return None
         scan = _jaxpr.scan_params(eqn)
         if scan is not None:
@@ -332,23 +329,36 @@ class _Analysis:
 
     def _solve_custom(self, i, eqn, fn, ins):
         nh = _jaxpr.custom_vjp_num_consts(eqn)
-        key = tuple((tuple(a.shape), str(a.dtype)) for a in
-                    (_jaxpr.aval(v) for v in eqn.invars[nh:]))
+        key = tuple(
+            (tuple(a.shape), str(a.dtype))
+            for a in (_jaxpr.aval(v) for v in eqn.invars[nh:])
+        )
         trees = fn.trees.get(key)
         if trees is None:
-            self._fail(i, eqn, f"custom_ivjp function {fn.__name__!r} was not called "
-                       "with these shapes")
+            self._fail(
+                i,
+                eqn,
+                f"custom_ivjp function {fn.__name__!r} was not called "
+                "with these shapes",
+            )
             return None
         in_tree, out_tree = trees
-        n_const_leaves = sum(c.num_leaves for c in in_tree.children()[:fn.num_consts])
+        n_const_leaves = sum(c.num_leaves for c in in_tree.children()[: fn.num_consts])
         nk = nh + n_const_leaves
         if nh:
-            self._fail(i, eqn, f"custom_ivjp function {fn.__name__!r} closes over "
-                       "traced values; pass them as leading arguments with num_consts")
+            self._fail(
+                i,
+                eqn,
+                f"custom_ivjp function {fn.__name__!r} closes over "
+                "traced values; pass them as leading arguments with num_consts",
+            )
             return None
         if not all(ins[:nk]):
-            self._fail(i, eqn, f"the constants of custom_ivjp function {fn.__name__!r} "
-                       "are unknown")
+            self._fail(
+                i,
+                eqn,
+                f"the constants of custom_ivjp function {fn.__name__!r} are unknown",
+            )
             return None
         unknown = tuple(range(nk, len(ins)))
         return _Custom(i, unknown, fn, nh, n_const_leaves, in_tree, out_tree)
@@ -368,7 +378,7 @@ class _Analysis:
             return None  # wait until the constants are known
         if not all(outs[:ncar]):
             return None  # wait until the final carry is known
-        known_xs = tuple(ins[nc + ncar:])
+        known_xs = tuple(ins[nc + ncar :])
         known_ys = tuple(outs[ncar:])
         nb = len(sp.body.consts)
         body_in = (True,) * (nb + nc) + (False,) * ncar + known_xs
@@ -376,11 +386,11 @@ class _Analysis:
         try:
             plan = _analyze(sp.body.jaxpr, body_in, body_out)
         except _Stuck as stuck:
-            self._fail(i, eqn, "its body is not invertible in the carry",
-                       stuck.failure)
+            self._fail(i, eqn, "its body is not invertible in the carry", stuck.failure)
             return None
         unknown = tuple(range(nc, nc + ncar)) + tuple(
-            nc + ncar + n for n, k in enumerate(known_xs) if not k)
+            nc + ncar + n for n, k in enumerate(known_xs) if not k
+        )
         return _Scan(i, unknown, sp, plan, known_xs, known_ys)
 
     # -- slices covering a value ---------------------------------------------- #
@@ -402,7 +412,9 @@ class _Analysis:
                 continue
             idx = tuple(
                 slice(a, b)
-                for a, b in zip(eqn.params["start_indices"], eqn.params["limit_indices"])
+                for a, b in zip(
+                    eqn.params["start_indices"], eqn.params["limit_indices"]
+                )
             )
             cover[idx] = True
             used.append(j)
@@ -589,9 +601,14 @@ class _Interpreter:
         mask = [n not in unknown for n in range(len(eqn.invars))]
         known = [self.read(v) if k else None for v, k in zip(eqn.invars, mask)]
         outs = [
-            None if _jaxpr.is_dropvar(v) else self.read(v)
-            if (not isinstance(step, _Scan) or n < step.params.num_carry
-                or step.known_ys[n - step.params.num_carry])
+            None
+            if _jaxpr.is_dropvar(v)
+            else self.read(v)
+            if (
+                not isinstance(step, _Scan)
+                or n < step.params.num_carry
+                or step.known_ys[n - step.params.num_carry]
+            )
             else None
             for n, v in enumerate(eqn.outvars)
         ]
@@ -611,7 +628,7 @@ class _Interpreter:
                 out_cts,
             )
             if cts is not None:
-                cts = cts[len(consts):]
+                cts = cts[len(consts) :]
         else:
             ins, cts = _run_scan(step, known, outs, out_cts)
         it = iter(ins)
@@ -624,7 +641,7 @@ class _Interpreter:
         """Applies every equation's VJP in reverse; returns input cotangents."""
         jaxpr = self.plan.jaxpr
         ct: dict = {}
-        for v, k, c in zip(jaxpr.outvars, self.plan.known_out, out_cts):
+        for v, c in zip(jaxpr.outvars, out_cts):
             if not _jaxpr.is_literal(v) and c is not None:
                 ct[v] = _add_ct(ct.get(v), c)
         step_of_eqn = {}
@@ -633,8 +650,10 @@ class _Interpreter:
                 step_of_eqn[step.eqn] = s
         for i in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[i]
-            cts = [ct.pop(v, None) if not _jaxpr.is_dropvar(v) else None
-                   for v in eqn.outvars]
+            cts = [
+                ct.pop(v, None) if not _jaxpr.is_dropvar(v) else None
+                for v in eqn.outvars
+            ]
             if all(c is None for c in cts):
                 continue
             cts = [
@@ -643,8 +662,10 @@ class _Interpreter:
             ]
             s = step_of_eqn.get(i)
             in_cts = None
-            if s is not None and s not in self.done and not isinstance(
-                self.plan.steps[s], _Solve
+            if (
+                s is not None
+                and s not in self.done
+                and not isinstance(self.plan.steps[s], _Solve)
             ):
                 # Fused: rebuild this equation's inputs and their cotangents in one go.
                 self.demand(self._needs(self.plan.steps[s]))
@@ -673,9 +694,7 @@ class _Interpreter:
         values = None
         if need_values:
             values = [
-                self.read(v)
-                for v, k in zip(jaxpr.invars, self.plan.known_in)
-                if not k
+                self.read(v) for v, k in zip(jaxpr.invars, self.plan.known_in) if not k
             ]
         return values, in_cts
 
@@ -694,7 +713,8 @@ def _vjp_eqn(eqn, ins):
     per input; ``vjp`` is None when no cotangent can flow.
     """
     float_in = [
-        n for n, v in enumerate(eqn.invars)
+        n
+        for n, v in enumerate(eqn.invars)
         if not _jaxpr.is_literal(v) and _is_float_aval(_jaxpr.aval(v))
     ]
     float_out = [_is_float_aval(_jaxpr.aval(v)) for v in eqn.outvars]
@@ -731,11 +751,13 @@ def _run_plan(plan: Plan, known_in_vals, out_vals, out_cts):
 def _run_custom(step: _Custom, known, outs, out_cts):
     fn = step.fn
     nk = step.n_hoisted + step.n_const_leaves
-    const_leaves = known[step.n_hoisted:nk]
+    const_leaves = known[step.n_hoisted : nk]
     in_tree = step.in_tree
     const_tree = jax.tree_util.tree_structure(
-        tuple(jax.tree_util.tree_unflatten(c, [0] * c.num_leaves)
-              for c in in_tree.children()[:fn.num_consts])
+        tuple(
+            jax.tree_util.tree_unflatten(c, [0] * c.num_leaves)
+            for c in in_tree.children()[: fn.num_consts]
+        )
     )
     consts = tuple(jax.tree_util.tree_unflatten(const_tree, const_leaves))
     outputs = jax.tree_util.tree_unflatten(step.out_tree, outs)
@@ -753,12 +775,12 @@ def _run_scan(step: _Scan, known, outs, out_cts):
     nc, ncar = sp.num_consts, sp.num_carry
     body_consts = list(sp.body.consts)
     consts = known[:nc]
-    xs_known = [x for x, k in zip(known[nc + ncar:], step.known_xs) if k]
+    xs_known = [x for x, k in zip(known[nc + ncar :], step.known_xs) if k]
     final = outs[:ncar]
     ys_known = [y for y, k in zip(outs[ncar:], step.known_ys) if k]
     plan = step.plan
-    body_invars = plan.jaxpr.invars[len(body_consts):]
-    carry_avals = [_jaxpr.aval(v) for v in body_invars[nc:nc + ncar]]
+    body_invars = plan.jaxpr.invars[len(body_consts) :]
+    carry_avals = [_jaxpr.aval(v) for v in body_invars[nc : nc + ncar]]
     carry_float = [_is_float_aval(a) for a in carry_avals]
     const_avals = [_jaxpr.aval(v) for v in body_invars[:nc]]
     const_float = [_is_float_aval(a) for a in const_avals]
@@ -773,21 +795,30 @@ def _run_scan(step: _Scan, known, outs, out_cts):
 
         def body(carry, per):
             x_t, y_t = per
-            vals, _ = _run_plan(plan, body_consts + list(consts) + list(x_t),
-                                list(carry) + list(y_t), None)
+            vals, _ = _run_plan(
+                plan,
+                body_consts + list(consts) + list(x_t),
+                list(carry) + list(y_t),
+                None,
+            )
             c, xn = split_in(vals)
             return c, xn
 
         init, xs_new = lax.scan(
-            body, list(final), (xs_known, ys_known), length=sp.length,
+            body,
+            list(final),
+            (xs_known, ys_known),
+            length=sp.length,
             reverse=not sp.reverse,
         )
         return list(init) + list(xs_new), None
 
     ct_carry = [c if f else None for c, f in zip(out_cts[:ncar], carry_float)]
     ct_ys = list(out_cts[ncar:])
-    ct_consts0 = [jnp.zeros(a.shape, a.dtype) if f else None
-                  for a, f in zip(const_avals, const_float)]
+    ct_consts0 = [
+        jnp.zeros(a.shape, a.dtype) if f else None
+        for a, f in zip(const_avals, const_float)
+    ]
 
     def body(state, per):
         carry, ctc, ctk = state
@@ -795,17 +826,19 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         outs_t = list(carry) + list(y_t)
         cts_t = [
             c if c is not None else _zeros_ct(a)
-            for c, a in zip(list(ctc) + list(cty_t), [
-                *carry_avals, *[_jaxpr.aval(v) for v in plan.jaxpr.outvars[ncar:]]
-            ])
+            for c, a in zip(
+                list(ctc) + list(cty_t),
+                [*carry_avals, *[_jaxpr.aval(v) for v in plan.jaxpr.outvars[ncar:]]],
+            )
         ]
-        vals, in_cts = _run_plan(plan, body_consts + list(consts) + list(x_t),
-                                 outs_t, cts_t)
+        vals, in_cts = _run_plan(
+            plan, body_consts + list(consts) + list(x_t), outs_t, cts_t
+        )
         c, xn = split_in(vals)
-        in_cts = in_cts[len(body_consts):]
+        in_cts = in_cts[len(body_consts) :]
         k_cts = in_cts[:nc]
-        c_cts = in_cts[nc:nc + ncar]
-        x_cts = in_cts[nc + ncar:]
+        c_cts = in_cts[nc : nc + ncar]
+        x_cts = in_cts[nc + ncar :]
         new_ctk = [
             _add_ct(a, b) if f else None for a, b, f in zip(ctk, k_cts, const_float)
         ]
@@ -813,7 +846,7 @@ def _run_scan(step: _Scan, known, outs, out_cts):
             (cc if cc is not None else _zeros_ct(a)) if f else None
             for cc, a, f in zip(c_cts, carry_avals, carry_float)
         ]
-        x_avals = [_jaxpr.aval(v) for v in body_invars[nc + ncar:]]
+        x_avals = [_jaxpr.aval(v) for v in body_invars[nc + ncar :]]
         x_cts = [
             (xc if xc is not None else _zeros_ct(a)) if _is_float_aval(a) else None
             for xc, a in zip(x_cts, x_avals)
@@ -822,13 +855,14 @@ def _run_scan(step: _Scan, known, outs, out_cts):
 
     ys_avals = [_jaxpr.aval(v) for v in plan.jaxpr.outvars[ncar:]]
     ct_ys = [
-        c if c is not None else (
-            jnp.zeros((sp.length, *a.shape), a.dtype) if _is_float_aval(a) else None
-        )
+        c
+        if c is not None
+        else (jnp.zeros((sp.length, *a.shape), a.dtype) if _is_float_aval(a) else None)
         for c, a in zip(ct_ys, ys_avals)
     ]
-    ct_ys = [None if getattr(c, "dtype", None) == jax.dtypes.float0 else c
-             for c in ct_ys]
+    ct_ys = [
+        None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in ct_ys
+    ]
     ct_carry = [
         (c if getattr(c, "dtype", None) != jax.dtypes.float0 else None)
         for c in ct_carry
@@ -869,6 +903,7 @@ def _error(stuck: _Stuck, in_paths, n_consts, fname) -> NotInvertibleError:
             "outputs (it does not reach the outputs through invertible equations)"
         )
     prim, reason, where = f.describe()
+    where = where or _jaxpr.caller_site()
     loc = f" at {where}" if where else ""
     return NotInvertibleError(
         f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "
@@ -921,9 +956,7 @@ def _make_vjp_fun(jaxpr, plan: Plan, n_consts: int):
         ]
         _, in_cts = interp.backward(cts, need_values=False)
         in_avals = [_jaxpr.aval(v) for v in jaxpr.invars]
-        full = [
-            c if c is not None else _zeros_ct(a) for c, a in zip(in_cts, in_avals)
-        ]
+        full = [c if c is not None else _zeros_ct(a) for c, a in zip(in_cts, in_avals)]
         full = [
             c if _is_float_aval(a) else np.zeros(a.shape, jax.dtypes.float0)
             for c, a in zip(full, in_avals)
@@ -947,8 +980,11 @@ class _Invertible:
             return self.fun(*jax.tree_util.tree_unflatten(in_tree, flat))
 
         jaxpr, consts, out_tree = _jaxpr.trace(flat_fun, flat_args)
-        key = (in_tree, str(jaxpr), tuple(
-            (tuple(np.shape(c)), str(jnp.result_type(c))) for c in consts))
+        key = (
+            in_tree,
+            str(jaxpr),
+            tuple((tuple(np.shape(c)), str(jnp.result_type(c))) for c in consts),
+        )
         hit = self._cache.get(key)
         if hit is not None:
             return hit, consts
@@ -959,8 +995,9 @@ class _Invertible:
             plan = _analyze(jaxpr, known_in, known_out)
         except _Stuck as stuck:
             raise _error(stuck, _leaf_paths(args), n_consts, fname) from None
-        compiled = _Compiled(jaxpr, plan, n_consts, out_tree,
-                             _make_vjp_fun(jaxpr, plan, n_consts))
+        compiled = _Compiled(
+            jaxpr, plan, n_consts, out_tree, _make_vjp_fun(jaxpr, plan, n_consts)
+        )
         self._cache[key] = compiled
         return compiled, consts
 

@@ -260,8 +260,9 @@ register_inverse("integer_pow", _integer_pow)
 
 def _convert_element_type(outs, ins, *, new_dtype, **params):
     a = _in_aval(params, 0)
-    if not (jnp.issubdtype(a.dtype, jnp.inexact) and jnp.issubdtype(new_dtype,
-                                                                     jnp.inexact)):
+    if not (
+        jnp.issubdtype(a.dtype, jnp.inexact) and jnp.issubdtype(new_dtype, jnp.inexact)
+    ):
         raise NotInvertibleError(
             f"conversion from {a.dtype} to {np.dtype(new_dtype)} is invertible only "
             "between floating types"
@@ -342,8 +343,7 @@ def _select_n(outs, ins, **params):
     if len(ins) == 2:
         return [ins[0], outs[0]]
     raise NotInvertibleError(
-        "select_n with an unknown case is determined only where that case is "
-        "selected"
+        "select_n with an unknown case is determined only where that case is selected"
     )
 
 
@@ -452,7 +452,9 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         if not callable(fun):
             raise TypeError(f"custom_ivjp expects a callable, got {fun!r}")
         if not isinstance(num_consts, int) or num_consts < 0:
-            raise ValueError(f"num_consts must be a non-negative int, got {num_consts!r}")
+            raise ValueError(
+                f"num_consts must be a non-negative int, got {num_consts!r}"
+            )
         self.fun = fun
         self.num_consts = num_consts
         self.inverse_fn: Callable[..., Any] | None = None
@@ -500,8 +502,10 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         """Rebuilds the inputs and returns ``(inputs, cotangents of all args)``."""
         if self.ivjp_fn is not None:
             inputs, in_cts = self._call_rule(self.ivjp_fn, consts, outputs, cts)
-            return (_as_tuple(inputs, "ivjp", self.__name__),
-                    _as_tuple(in_cts, "ivjp", self.__name__))
+            return (
+                _as_tuple(inputs, "ivjp", self.__name__),
+                _as_tuple(in_cts, "ivjp", self.__name__),
+            )
         inputs = self.invert(consts, outputs)
         _, vjp = jax.vjp(self.fun, *consts, *inputs)
         return inputs, tuple(vjp(cts))

@@ -1,0 +1,242 @@
+"""Tests of ``revnet.invertible`` and ``revnet.inverse``: gradients, composition,
+memory and compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from tests.helpers import assert_trees_close, check_against_autodiff, cotangents_like
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _coupling_chain(weights):
+    """An unrolled chain of additive couplings closing over ``weights``."""
+
+    def net(x1, x2):
+        for w in weights:
+            x1 = x1 + jnp.tanh(x2 @ w[0])
+            x2 = x2 + jax.nn.relu(x1 @ w[1])
+        return x1, x2
+
+    return net
+
+
+def _loss(f):
+    return lambda *a: sum(jnp.sum(jnp.sin(y)) for y in jax.tree_util.tree_leaves(f(*a)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_32_block_chain_gradients_every_input_and_weight(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        d = 16
+        ws = _normal(0, (32, 2, d, d), dtype) / np.sqrt(d) * 0.5
+        x1, x2 = _normal(1, (8, d), dtype), _normal(2, (8, d), dtype)
+
+        def loss(ws, x1, x2, f):
+            return _loss(f(list(ws)))(x1, x2)
+
+        plain = jax.grad(loss, (0, 1, 2))(ws, x1, x2, _coupling_chain)
+        rev = jax.grad(loss, (0, 1, 2))(
+            ws, x1, x2, lambda w: revnet.invertible(_coupling_chain(w))
+        )
+        rtol = 1e-5 if dtype == jnp.float32 else 1e-10
+        for name, a, e in zip(["weights", "x1", "x2"], rev, plain):
+            assert_trees_close(a, e, rtol, name)
+
+
+def _scan_net(weights):
+    def net(x1, x2):
+        def block(carry, w):
+            a, b = carry
+            y1 = a + jnp.tanh(b @ w[0])
+            y2 = b + jnp.tanh(y1 @ w[1])
+            return (y1, y2), None
+
+        return jax.lax.scan(block, (x1, x2), weights)[0]
+
+    return net
+
+
+def test_scan_of_couplings_gradients_float64():
+    with jax.enable_x64(True):
+        ws = _normal(0, (12, 2, 8, 8), jnp.float64) * 0.3
+        x = _normal(1, (4, 8), jnp.float64), _normal(2, (4, 8), jnp.float64)
+
+        def loss(ws, x1, x2, rev):
+            f = _scan_net(ws)
+            return _loss(revnet.invertible(f) if rev else f)(x1, x2)
+
+        g = jax.grad(loss, (0, 1, 2))(*(ws, *x), True)
+        e = jax.grad(loss, (0, 1, 2))(*(ws, *x), False)
+        assert_trees_close(g, e, 1e-10, "grads")
+
+
+def test_closure_over_tracers_of_an_outer_grad_and_jit():
+    ws = _normal(0, (4, 2, 8, 8)) * 0.3
+    x1, x2 = _normal(1, (4, 8)), _normal(2, (4, 8))
+
+    @jax.jit
+    def rev_loss(ws, x1, x2):
+        return _loss(revnet.invertible(_scan_net(ws)))(x1, x2)
+
+    got = jax.grad(rev_loss, (0, 1, 2))(ws, x1, x2)
+    want = jax.grad(lambda *a: _loss(_scan_net(a[0]))(*a[1:]), (0, 1, 2))(ws, x1, x2)
+    assert_trees_close(got, want, 1e-5, "grads")
+
+
+def test_pytree_arguments_and_outputs():
+    w = _normal(3, (6, 6)) * 0.3
+
+    def f(state, extra):
+        a, b = state["a"], state["b"]
+        a = a + jnp.tanh(b @ w)
+        return {"pair": (b * 2.0, a), "e": jnp.exp(extra)}
+
+    check_against_autodiff(
+        f, {"a": _normal(1, (3, 6)), "b": _normal(2, (3, 6))}, _normal(4, (5,))
+    )
+
+
+def test_vmap_and_jit_compose():
+    w = _normal(3, (6, 6)) * 0.3
+
+    def f(a, b):
+        return a + jnp.tanh(b @ w), b
+
+    rf = revnet.invertible(f)
+    xs = _normal(1, (5, 3, 6)), _normal(2, (5, 3, 6))
+    loss = lambda g: lambda a, b: _loss(jax.vmap(g))(a, b)  # noqa: E731
+    assert_trees_close(
+        jax.jit(jax.grad(loss(rf), (0, 1)))(*xs), jax.grad(loss(f), (0, 1))(*xs), 1e-5
+    )
+    assert_trees_close(jax.jit(jax.vmap(rf))(*xs), jax.vmap(f)(*xs), 1e-6)
+
+
+def test_value_and_grad_and_vjp_agree():
+    def f(a):
+        return jnp.sinh(a) * 3.0 + 1.0
+
+    x = _normal(0, (7,))
+    v, g = jax.value_and_grad(lambda a: jnp.sum(revnet.invertible(f)(a) ** 2))(x)
+    v0, g0 = jax.value_and_grad(lambda a: jnp.sum(f(a) ** 2))(x)
+    assert_trees_close((v, g), (v0, g0), 1e-5)
+
+
+@pytest.mark.parametrize("order", ["natural", "shuffled"])
+def test_order_independence(order):
+    """The same math with equations in a different order is accepted."""
+    w1, w2 = _normal(3, (6, 6)) * 0.3, _normal(4, (6, 6)) * 0.3
+    if order == "natural":
+
+        def f(a, b):
+            y1 = a + jnp.tanh(b @ w1)
+            y2 = b + jnp.tanh(y1 @ w2)
+            return y1, y2
+    else:
+
+        def f(a, b):
+            hb = jnp.tanh(b @ w1)  # computed before it is needed
+            y1 = hb + a
+            t = y1 @ w2
+            y2 = jnp.tanh(t) + b
+            return y1, y2
+
+    check_against_autodiff(f, _normal(1, (3, 6)), _normal(2, (3, 6)))
+
+
+def test_integer_counter_gets_no_gradient():
+    def f(i, x):
+        return i + 1, x * 2.0 + jnp.float32(1.0)
+
+    rf = revnet.invertible(f)
+    i, x = jnp.array(3, jnp.int32), _normal(0, (4,))
+    (j, y), vjp = jax.vjp(rf, i, x)
+    assert int(j) == 4
+    ci, cx = vjp(cotangents_like((j, y)))
+    assert ci.dtype == jax.dtypes.float0
+    np.testing.assert_allclose(cx, 2.0 * cotangents_like((j, y))[1], rtol=1e-6)
+    assert int(revnet.inverse(f, i, x)((j, y))[0]) == 3
+
+
+def test_inverse_takes_shape_structs_and_decorated_functions():
+    def f(a, b):
+        return b, a * 3.0
+
+    rf = revnet.invertible(f)
+    a, b = _normal(0, (2, 3)), _normal(1, (4,))
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a, b)]
+    for g in (f, rf):
+        back = revnet.inverse(g, *structs)(f(a, b))
+        assert isinstance(back, tuple)
+        assert_trees_close(back, (a, b), 1e-6)
+    # A single argument still gives a tuple.
+    (only,) = revnet.inverse(lambda x: x + 1.0, a)(a + 1.0)
+    assert_trees_close(only, a, 1e-6)
+
+
+def test_inverse_rejects_wrong_output_structure():
+    inv = revnet.inverse(lambda a, b: (a, b * 2.0), jnp.ones(2), jnp.ones(2))
+    with pytest.raises(TypeError, match="expected outputs with structure"):
+        inv(jnp.ones(2))
+
+
+def test_analysis_is_cached_per_shape():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * 2.0
+
+    rf = revnet.invertible(f)
+    rf(jnp.ones(3))
+    rf(jnp.ones(3))
+    n_same = len(calls)
+    rf(jnp.ones(4))
+    assert n_same == 2 and len(calls) == 3  # traced per call, analysed per shape
+    assert len(rf._cache) == 2
+
+
+def test_forward_mode_is_refused_clearly():
+    rf = revnet.invertible(lambda x: x * 2.0)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(rf, (jnp.ones(3),), (jnp.ones(3),))
+
+
+def test_rejects_non_array_arguments():
+    with pytest.raises(TypeError, match="pytrees of arrays"):
+        revnet.invertible(lambda x: x)("not an array")
+
+
+# --------------------------------------------------------------------------- #
+# Memory and compute, from the compiled program.
+
+
+def _compiled(n_steps, reversible, width=128, batch=256):
+    ws = jnp.full((n_steps, 2, width, width), 0.01)
+    x = jnp.ones((batch, width))
+
+    def loss(ws, x1, x2):
+        f = _scan_net(ws)
+        return _loss(revnet.invertible(f) if reversible else f)(x1, x2)
+
+    return jax.jit(jax.grad(loss, (0, 1, 2))).lower(ws, x, x).compile()
+
+
+def test_memory_flat_in_depth_while_autodiff_grows():
+    rev = [_compiled(n, True).memory_analysis().temp_size_in_bytes for n in (8, 64)]
+    std = [_compiled(n, False).memory_analysis().temp_size_in_bytes for n in (8, 64)]
+    assert rev[1] <= 1.10 * rev[0], f"reversible temp memory grew: {rev}"
+    assert std[1] >= 4 * std[0], f"plain autodiff did not grow as expected: {std}"
+    assert std[1] >= 10 * rev[1]
+
+
+def test_flops_within_four_thirds_of_backprop():
+    # cost_analysis counts a scan body once: compare scans of the same length.
+    rev = _compiled(8, True).cost_analysis()["flops"]
+    std = _compiled(8, False).cost_analysis()["flops"]
+    assert rev <= 1.40 * std, f"reversible/standard FLOPs = {rev / std:.3f}"
