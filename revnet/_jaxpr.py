@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 try:  # jax >= 0.4.36
