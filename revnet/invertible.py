@@ -513,7 +513,6 @@ class _Interpreter:
                     self.env[v] = val
         self.vjps: dict = {}  # eqn index -> vjp function from a forward step
         self.done: set = set()  # indices of steps already run
-        self.fused_cts: dict = {}  # eqn index -> input cotangents
 
     # -- values ----------------------------------------------------------- #
 
@@ -564,10 +563,6 @@ class _Interpreter:
                 v for v, k in zip(eqn.outvars[ncar:], step.known_ys) if k
             ]
         return [v for n, v in enumerate(eqn.invars) if n not in unknown] + outs
-
-    def _solves(self, step):
-        eqn = self.plan.eqns[step.eqn]
-        return [eqn.invars[n] for n in step.unknown]
 
     def _set(self, vars_, vals):
         for v, val in zip(vars_, vals):
@@ -784,7 +779,6 @@ def _run_scan(step: _Scan, known, outs, out_cts):
     carry_float = [_is_float_aval(a) for a in carry_avals]
     const_avals = [_jaxpr.aval(v) for v in body_invars[:nc]]
     const_float = [_is_float_aval(a) for a in const_avals]
-    n_unknown_xs = sum(1 for k in step.known_xs if not k)
 
     def split_in(in_vals):
         carry = in_vals[:ncar]
@@ -878,7 +872,6 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         length=sp.length,
         reverse=not sp.reverse,
     )
-    del n_unknown_xs
     in_cts = list(ct_k) + list(ct_init) + list(ct_xs)
     return list(init) + list(xs_new), in_cts
 
