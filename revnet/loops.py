@@ -33,6 +33,9 @@ Under ``vmap`` a batch whose elements stop at different steps works as with
 elements are left unchanged (by a select), so each element records its own
 trip count; in the backward pass an element whose steps are used up is left
 unchanged in the same way, so it is walked back exactly its own trip count.
+JAX batches a custom VJP's backward pass per element, so under ``vmap`` the
+cotangents of weights shared by the batch are held per element (memory
+``batch * weights``) until they are summed.
 """
 
 from __future__ import annotations
@@ -183,7 +186,11 @@ def while_loop(
     ``cond_fun`` may depend on the carry (data-dependent stopping); it gets no
     gradient (the loop's output is piecewise in it), and is not re-evaluated in
     the backward pass. Under ``vmap``, elements that stop at different steps
-    each get their own trip count and exact gradients.
+    each get their own trip count and exact gradients. (JAX batches a custom
+    VJP's backward pass element by element, so the cotangents of weights
+    shared by the batch are accumulated per element, ``batch`` times the
+    weights' size, and summed afterwards. When all elements take the same
+    number of steps, carrying the batch in ``val`` avoids that.)
 
     Example::
 

@@ -299,6 +299,38 @@ def test_while_gradient_of_closed_over_step_size_and_haiku_params():
                        1e-5)
 
 
+def test_while_closes_over_keys_ints_and_batched_step_sizes():
+    """Closed-over keys and ints get float0 cotangents; a vmapped step size works."""
+    p = _params(6, 3, jnp.float32)
+    x1, x2 = _inputs(6, 2, 3, jnp.float32)
+    key = jax.random.PRNGKey(3)
+    shift = jnp.arange(3)  # an integer array used forward only
+
+    def step(p, dt, x1, x2):
+        noise = 0.1 * jax.random.normal(key, x1.shape)
+        x1 = x1 + dt * jnp.tanh(x2 @ p["w1"] + noise + shift)
+        x2 = x2 + dt * jnp.tanh(x1 @ p["w2"])
+        return x1, x2
+
+    def loss(p, dt, x1, x2):
+        def body(c):
+            return (*step(p, dt, c[0], c[1]), c[2] + 1)
+
+        y1, y2, _ = while_loop(lambda c: c[2] < 5, body, (x1, x2, 0))
+        return _readout(y1, y2)
+
+    def ref(p, dt, x1, x2):
+        (y1, y2), _ = lax.scan(lambda c, _: (step(p, dt, *c), None), (x1, x2),
+                               None, length=5)
+        return _readout(y1, y2)
+
+    dts = jnp.array([0.1, 0.2, 0.3])
+    argnums = (0, 1, 2, 3)
+    got = jax.vmap(jax.grad(loss, argnums), (None, 0, None, None))(p, dts, x1, x2)
+    want = jax.vmap(jax.grad(ref, argnums), (None, 0, None, None))(p, dts, x1, x2)
+    _assert_tree_close(got, want, 1e-5)
+
+
 # --------------------------------------------------------------------------- #
 # while_loop: memory and cost.
 
