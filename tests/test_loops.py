@@ -146,16 +146,17 @@ def test_while_data_dependent_stopping(dtype):
         def cond(c):
             return jnp.sum(c[0] ** 2) < 60.0
 
-        (val, n), grads = jax.value_and_grad(
+        (val, n), grads = jax.jit(jax.value_and_grad(
             lambda *a: _loss_while(*a, cond), argnums=(0, 1, 2), has_aux=True
-        )(p, x1, x2)
-        # The trip count, from an independent Python loop.
+        ))(p, x1, x2)
+        # The trip count, from an independent loop over NumPy values.
+        step = jax.jit(_step)
         y1, y2, m = x1, x2, 0
-        while float(jnp.sum(y1**2)) < 60.0:
-            y1, y2 = _step(p, y1, y2)
+        while np.sum(np.asarray(y1) ** 2) < 60.0:
+            y1, y2 = step(p, y1, y2)
             m += 1
         assert int(n) == m and m > 3
-        want = jax.value_and_grad(_loss_scan_ref, argnums=(0, 1, 2))(p, x1, x2, m)
+        want = _ref_vg(p, x1, x2, m)
         _assert_tree_close((val, grads), want, RTOL[dtype])
 
 
@@ -454,8 +455,8 @@ _scan_vg, _lax_scan_vg = _scan_value_and_grad(scan), _scan_value_and_grad(lax.sc
 
 @_FEW
 @given(
-    d=st.integers(1, 4),
-    length=st.integers(1, 10),
+    d=st.integers(1, 3),
+    length=st.sampled_from([1, 2, 5, 9]),
     reverse=st.booleans(),
     f64=st.booleans(),
     seed=st.integers(0, 2**16),
