@@ -4,6 +4,7 @@ from revnet.blocks.coupling import AdditiveCoupling, AffineCoupling
 from revnet.blocks.layers import ChannelPermutation, Squeeze, StageTransition
 from revnet.blocks.revnet import CONFIGS, RevNet, RevNetConfig
 from revnet.blocks.sequence import ReversibleSequence
+from revnet.blocks.transformer import ReversibleTransformer
 
 __all__ = [
     "AdditiveCoupling",
@@ -11,6 +12,7 @@ __all__ = [
     "CONFIGS",
     "ChannelPermutation",
     "ReversibleSequence",
+    "ReversibleTransformer",
     "RevNet",
     "RevNetConfig",
     "Squeeze",

@@ -26,19 +26,19 @@ _BN = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
 
 
 class RevNetConfig(NamedTuple):
-  """Architecture of a RevNet.
+    """Architecture of a RevNet.
 
-  Attributes:
-    units: Number of reversible units (additive couplings) per stage.
-    channels: Width of the initial convolution, then of each stage (the full
-      activation; each coupling half has half of it). With ``bottleneck`` the
-      stage widths are four times these numbers, as in ResNet.
-    bottleneck: Whether residual functions are bottleneck units (3 convs).
-  """
+    Attributes:
+      units: Number of reversible units (additive couplings) per stage.
+      channels: Width of the initial convolution, then of each stage (the full
+        activation; each coupling half has half of it). With ``bottleneck`` the
+        stage widths are four times these numbers, as in ResNet.
+      bottleneck: Whether residual functions are bottleneck units (3 convs).
+    """
 
-  units: tuple[int, ...]
-  channels: tuple[int, ...]
-  bottleneck: bool = False
+    units: tuple[int, ...]
+    channels: tuple[int, ...]
+    bottleneck: bool = False
 
 
 CONFIGS = {
@@ -54,157 +54,171 @@ def residual_function(
     is_training: bool,
     bottleneck: bool = False,
 ) -> jax.Array:
-  """RevNet's residual function: pre-activation conv units with BatchNorm.
+    """RevNet's residual function: pre-activation conv units with BatchNorm.
 
-  Args:
-    h: Input of shape ``[batch, height, width, channels]``.
-    is_training: Whether BatchNorm uses batch statistics (and updates state).
-    bottleneck: 1x1 -> 3x3 -> 1x1 convolutions instead of two 3x3.
+    Args:
+      h: Input of shape ``[batch, height, width, channels]``.
+      is_training: Whether BatchNorm uses batch statistics (and updates state).
+      bottleneck: 1x1 -> 3x3 -> 1x1 convolutions instead of two 3x3.
 
-  Returns:
-    An array shaped like ``h``.
-  """
-  channels = h.shape[-1]
-  if bottleneck:
-    kernels, widths = (1, 3, 1), (channels // 4, channels // 4, channels)
-  else:
-    kernels, widths = (3, 3), (channels, channels)
-  for i, (kernel, width) in enumerate(zip(kernels, widths, strict=True)):
-    h = jax.nn.relu(hk.BatchNorm(**_BN, name=f"bn_{i}")(h, is_training))
-    h = hk.Conv2D(width, kernel, name=f"conv_{i}")(h)
-  return h
+    Returns:
+      An array shaped like ``h``.
+    """
+    channels = h.shape[-1]
+    if bottleneck:
+        kernels, widths = (1, 3, 1), (channels // 4, channels // 4, channels)
+    else:
+        kernels, widths = (3, 3), (channels, channels)
+    for i, (kernel, width) in enumerate(zip(kernels, widths, strict=True)):
+        h = jax.nn.relu(hk.BatchNorm(**_BN, name=f"bn_{i}")(h, is_training))
+        h = hk.Conv2D(width, kernel, name=f"conv_{i}")(h)
+    return h
 
 
 class RevNet(hk.Module):
-  """A RevNet image classifier (NHWC input).
+    """A RevNet image classifier (NHWC input).
 
-  Example:
+    Example:
 
-  >>> def net(images, is_training):
-  ...   return RevNet("tiny", num_classes=10)(images, is_training)
-  >>> net = hk.transform_with_state(net)
-  >>> images = jnp.ones([2, 8, 8, 3])
-  >>> params, state = jax.jit(net.init, static_argnums=2)(
-  ...     jax.random.PRNGKey(0), images, True)
-  >>> logits, state = net.apply(params, state, None, images, True)
-  >>> logits.shape
-  (2, 10)
-  """
-
-  def __init__(
-      self,
-      depth_config: str | RevNetConfig,
-      num_classes: int,
-      reversible: bool = True,
-      compute_dtype: Any = None,
-      name: str | None = None,
-  ):
-    """Constructs the network.
-
-    Args:
-      depth_config: ``"revnet38"``, ``"revnet110"``, ``"revnet164"``,
-        ``"tiny"`` (for tests), or a :class:`RevNetConfig`.
-      num_classes: Number of output logits.
-      reversible: If False, the very same parameters run with ordinary
-        backprop (the honest baseline).
-      compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) of the residual
-        functions; the residual stream stays in the input's dtype.
-      name: Name of the module.
-
-    Raises:
-      ValueError: If ``depth_config`` is unknown or inconsistent.
+    >>> def net(images, is_training):
+    ...   return RevNet("tiny", num_classes=10)(images, is_training)
+    >>> net = hk.transform_with_state(net)
+    >>> images = jnp.ones([2, 8, 8, 3])
+    >>> params, state = jax.jit(net.init, static_argnums=2)(
+    ...     jax.random.PRNGKey(0), images, True)
+    >>> logits, state = net.apply(params, state, None, images, True)
+    >>> logits.shape
+    (2, 10)
     """
-    super().__init__(name=name)
-    if isinstance(depth_config, str):
-      if depth_config not in CONFIGS:
-        raise ValueError(
-            f"{self.module_name}: unknown depth_config {depth_config!r}; "
-            f"choose one of {sorted(CONFIGS)} or pass a RevNetConfig."
+
+    def __init__(
+        self,
+        depth_config: str | RevNetConfig,
+        num_classes: int,
+        reversible: bool = True,
+        compute_dtype: Any = None,
+        name: str | None = None,
+    ):
+        """Constructs the network.
+
+        Args:
+          depth_config: ``"revnet38"``, ``"revnet110"``, ``"revnet164"``,
+            ``"tiny"`` (for tests), or a :class:`RevNetConfig`.
+          num_classes: Number of output logits.
+          reversible: If False, the very same parameters run with ordinary
+            backprop (the honest baseline).
+          compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) of the residual
+            functions; the residual stream stays in the input's dtype.
+          name: Name of the module.
+
+        Raises:
+          ValueError: If ``depth_config`` is unknown or inconsistent.
+        """
+        super().__init__(name=name or "revnet")
+        if isinstance(depth_config, str):
+            if depth_config not in CONFIGS:
+                raise ValueError(
+                    f"{self.module_name}: unknown depth_config {depth_config!r}; "
+                    f"choose one of {sorted(CONFIGS)} or pass a RevNetConfig."
+                )
+            depth_config = CONFIGS[depth_config]
+        config = depth_config
+        if len(config.channels) != len(config.units) + 1:
+            raise ValueError(
+                f"{self.module_name}: channels needs one entry for the initial "
+                f"convolution and one per stage, got {config}."
+            )
+        self.config = config
+        self.num_classes = num_classes
+        self.reversible = reversible
+        expand = 4 if config.bottleneck else 1
+        self._init_conv = hk.Conv2D(config.channels[0], 3, name="init_conv")
+        self._transitions = []
+        self._stages = []
+        width = config.channels[0]
+        for i, units in enumerate(config.units):
+            stage_width = config.channels[i + 1] * expand
+            stride = 1 if i == 0 else 2
+            transition = None
+            if stride != 1 or stage_width != width:
+                transition = StageTransition(
+                    stage_width, stride, name=f"transition_{i}"
+                )
+            self._transitions.append(transition)
+            if stage_width % 2:
+                raise ValueError(
+                    f"{self.module_name}: stage widths must be even to split into "
+                    f"halves, got {stage_width}."
+                )
+            residual = functools.partial(
+                residual_function, bottleneck=config.bottleneck
+            )
+
+            def unit(x, is_training, residual=residual):
+                f = functools.partial(residual, is_training=is_training)
+                return AdditiveCoupling(f, f, compute_dtype=compute_dtype)(x)
+
+            self._stages.append(
+                ReversibleSequence(
+                    unit, units, reversible=reversible, name=f"stage_{i}"
+                )
+            )
+            width = stage_width
+        self._final_bn = hk.BatchNorm(**_BN, name="final_bn")
+        self._logits = hk.Linear(num_classes, name="logits")
+
+    @property
+    def stages(self) -> tuple[ReversibleSequence, ...]:
+        """The reversible stages, in order."""
+        return tuple(self._stages)
+
+    def features(self, images: jax.Array, is_training: bool) -> jax.Array:
+        """Returns the output of the last reversible stage.
+
+        Args:
+          images: ``[batch, height, width, channels]`` floating point images.
+          is_training: Whether BatchNorm uses batch statistics and updates state.
+
+        Returns:
+          The last stage's activations, ``[batch, h, w, width]``.
+
+        Raises:
+          ValueError: If ``images`` is not rank 4.
+          TypeError: If ``images`` is not floating point.
+        """
+        check_input(
+            self.module_name,
+            images,
+            rank=4,
+            expected="[batch, height, width, channels]",
         )
-      depth_config = CONFIGS[depth_config]
-    config = depth_config
-    if len(config.channels) != len(config.units) + 1:
-      raise ValueError(
-          f"{self.module_name}: channels needs one entry for the initial "
-          f"convolution and one per stage, got {config}."
-      )
-    self.config = config
-    self.num_classes = num_classes
-    self.reversible = reversible
-    expand = 4 if config.bottleneck else 1
-    self._init_conv = hk.Conv2D(config.channels[0], 3, name="init_conv")
-    self._transitions = []
-    self._stages = []
-    width = config.channels[0]
-    for i, units in enumerate(config.units):
-      stage_width = config.channels[i + 1] * expand
-      stride = 1 if i == 0 else 2
-      transition = None
-      if stride != 1 or stage_width != width:
-        transition = StageTransition(stage_width, stride, name=f"transition_{i}")
-      self._transitions.append(transition)
-      if stage_width % 2:
-        raise ValueError(
-            f"{self.module_name}: stage widths must be even to split into "
-            f"halves, got {stage_width}."
-        )
-      residual = functools.partial(residual_function, bottleneck=config.bottleneck)
+        h = self._init_conv(images)
+        for transition, stage in zip(self._transitions, self._stages, strict=True):
+            if transition is not None:
+                h = transition(h, is_training)
+            h = stage(h, is_training=is_training)
+        return h
 
-      def unit(x, is_training, residual=residual):
-        f = functools.partial(residual, is_training=is_training)
-        return AdditiveCoupling(f, f, compute_dtype=compute_dtype)(x)
+    def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
+        """Returns logits ``[batch, num_classes]`` for NHWC ``images``."""
+        h = self.features(images, is_training)
+        h = jax.nn.relu(self._final_bn(h, is_training))
+        return self._logits(jnp.mean(h, axis=(1, 2)))
 
-      self._stages.append(
-          ReversibleSequence(unit, units, reversible=reversible, name=f"stage_{i}")
-      )
-      width = stage_width
-    self._final_bn = hk.BatchNorm(**_BN, name="final_bn")
-    self._logits = hk.Linear(num_classes, name="logits")
+    def inverse(self, features: jax.Array, is_training: bool) -> jax.Array:
+        """Rebuilds the input of the last reversible stage from its output.
 
-  def features(self, images: jax.Array, is_training: bool) -> jax.Array:
-    """Returns the output of the last reversible stage.
+        The stage transitions (strided convolutions) and the classifier head are
+        not invertible, so this is as far back as a RevNet can be inverted.
 
-    Args:
-      images: ``[batch, height, width, channels]`` floating point images.
-      is_training: Whether BatchNorm uses batch statistics and updates state.
+        Args:
+          features: Output of :meth:`features`.
+          is_training: The mode used for the forward pass.
 
-    Returns:
-      The last stage's activations, ``[batch, h, w, width]``.
+        Returns:
+          The input of the last reversible stage.
 
-    Raises:
-      ValueError: If ``images`` is not rank 4.
-      TypeError: If ``images`` is not floating point.
-    """
-    check_input(
-        self.module_name, images, rank=4, expected="[batch, height, width, channels]"
-    )
-    h = self._init_conv(images)
-    for transition, stage in zip(self._transitions, self._stages, strict=True):
-      if transition is not None:
-        h = transition(h, is_training)
-      h = stage(h, is_training=is_training)
-    return h
-
-  def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
-    """Returns logits ``[batch, num_classes]`` for NHWC ``images``."""
-    h = self.features(images, is_training)
-    h = jax.nn.relu(self._final_bn(h, is_training))
-    return self._logits(jnp.mean(h, axis=(1, 2)))
-
-  def inverse(self, features: jax.Array, is_training: bool) -> jax.Array:
-    """Rebuilds the input of the last reversible stage from its output.
-
-    The stage transitions (strided convolutions) and the classifier head are
-    not invertible, so this is as far back as a RevNet can be inverted.
-
-    Args:
-      features: Output of :meth:`features`.
-      is_training: The mode used for the forward pass.
-
-    Returns:
-      The input of the last reversible stage.
-
-    Raises:
-      TypeError: If ``features`` is not floating point.
-    """
-    return self._stages[-1].inverse(features, is_training=is_training)
+        Raises:
+          TypeError: If ``features`` is not floating point.
+        """
+        return self._stages[-1].inverse(features, is_training=is_training)

@@ -1,0 +1,139 @@
+"""One entry per block module, in the spirit of Haiku's integration descriptors.
+
+Every entry builds its module (inside a transform) from a ``reversible`` flag,
+says how to call it and how to check a round trip through its inverse. The
+generic checks in ``test_conformance.py`` run over all entries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from revnet import blocks
+from revnet.blocks.revnet import residual_function
+
+
+class Entry(NamedTuple):
+    """A module under test.
+
+    Attributes:
+      name: Test id.
+      make: ``make(reversible) -> module``; ``reversible`` is ignored by modules
+        without a twin.
+      shape: Input shape.
+      training: Whether the module is called with ``is_training=True``.
+      has_twin: Whether ``make(False)`` is an ordinary-backprop twin.
+    """
+
+    name: str
+    make: Callable[[bool], hk.Module]
+    shape: tuple[int, ...]
+    training: bool = False
+    has_twin: bool = True
+
+    def call(self, module: hk.Module, x: jax.Array) -> jax.Array:
+        return module(x, True) if self.training else module(x)
+
+    def inverse(self, module: hk.Module, y: jax.Array) -> jax.Array:
+        if isinstance(module, blocks.RevNet):
+            # A RevNet inverts back to the input of its last reversible stage; run
+            # that stage again to close the loop.
+            rebuilt = module.inverse(y, True)
+            return module.stages[-1](rebuilt, is_training=True)
+        return module.inverse(y, True) if self.training else module.inverse(y)
+
+    def forward(self, module: hk.Module, x: jax.Array) -> jax.Array:
+        """The invertible part of the module (a RevNet's features)."""
+        if isinstance(module, blocks.RevNet):
+            return module.features(x, True)
+        return self.call(module, x)
+
+    def round_trip_target(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        return y if self.name.startswith("revnet") else x
+
+
+def mlp(sizes: list[int]) -> Callable[[jax.Array], jax.Array]:
+    return lambda h: hk.nets.MLP(sizes, activation=jnp.tanh)(h)
+
+
+def additive(h: jax.Array) -> jax.Array:
+    width = h.shape[-1] // 2
+    return blocks.AdditiveCoupling(mlp([16, width]), mlp([16, width]))(h)
+
+
+def affine(h: jax.Array) -> jax.Array:
+    return blocks.AffineCoupling(mlp([16, h.shape[-1]]))(h)
+
+
+def permuted_affine(h: jax.Array) -> jax.Array:
+    return blocks.ChannelPermutation()(affine(h))
+
+
+def conv_unit(h: jax.Array, is_training: bool) -> jax.Array:
+    f = functools.partial(residual_function, is_training=is_training)
+    return blocks.AdditiveCoupling(f, f)(h)
+
+
+ENTRIES = [
+    Entry(
+        "additive_stack",
+        lambda rev: blocks.ReversibleSequence(additive, 8, reversible=rev),
+        (4, 8),
+    ),
+    Entry(
+        "affine_stack",
+        lambda rev: blocks.ReversibleSequence(affine, 8, reversible=rev),
+        (4, 8),
+    ),
+    Entry(
+        "heterogeneous_chain",
+        lambda rev: blocks.ReversibleSequence(
+            [additive, permuted_affine, additive], reversible=rev
+        ),
+        (4, 8),
+    ),
+    Entry(
+        "conv_batchnorm_stack",
+        lambda rev: blocks.ReversibleSequence(conv_unit, 3, reversible=rev),
+        (2, 4, 4, 8),
+        training=True,
+    ),
+    Entry(
+        "revnet_tiny",
+        lambda rev: blocks.RevNet("tiny", 5, reversible=rev),
+        (2, 8, 8, 3),
+        training=True,
+    ),
+    Entry(
+        "transformer",
+        lambda rev: blocks.ReversibleTransformer(
+            2, 2, 8, 16, dropout_rate=0.2, reversible=rev
+        ),
+        (2, 5, 8),
+        training=True,
+    ),
+    Entry("additive_coupling_alone", lambda rev: _coupling(), (3, 2, 6), False, False),
+    Entry(
+        "affine_coupling_alone",
+        lambda rev: blocks.AffineCoupling(mlp([8, 6])),
+        (3, 6),
+        has_twin=False,
+    ),
+    Entry("squeeze", lambda rev: blocks.Squeeze(), (2, 4, 4, 3), has_twin=False),
+    Entry(
+        "permutation",
+        lambda rev: blocks.ChannelPermutation(),
+        (3, 7),
+        has_twin=False,
+    ),
+]
+
+
+def _coupling() -> hk.Module:
+    return blocks.AdditiveCoupling(mlp([8, 3]), mlp([8, 3]))
