@@ -2,6 +2,7 @@
 
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import NotInvertibleError, custom_ivjp, register_inverse
+from revnet.loops import scan, while_loop
 
 __version__ = "0.1.0"
 
@@ -11,4 +12,6 @@ __all__ = [
     "inverse",
     "invertible",
     "register_inverse",
+    "scan",
+    "while_loop",
 ]

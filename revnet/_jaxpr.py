@@ -98,10 +98,80 @@ def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Jaxpr, list, An
     open_jaxpr = jaxpr.replace(
         constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars)
     )
-    return open_jaxpr, consts, out_tree
+    return inline_jits(open_jaxpr), consts, out_tree
+
+
+_JIT_NAMES = ("jit", "pjit")
+
+
+def inline_jits(jaxpr: Jaxpr) -> Jaxpr:
+    """Replaces nested ``jit`` equations (without constants) by their bodies.
+
+    ``jnp`` functions are jits (``jnp.where`` is a jit around ``select_n``), and
+    inverting them may need equations on both sides of the boundary. Inlining
+    does not change what is computed.
+    """
+
+    def inlinable(e):
+        return e.primitive.name in _JIT_NAMES and not _closed_consts(e.params["jaxpr"])
+
+    if not any(inlinable(e) for e in jaxpr.eqns):
+        return jaxpr
+    sub: dict = {}
+
+    def outer(a):
+        return a if isinstance(a, Literal) else sub.get(a, a)
+
+    eqns = []
+    for e in jaxpr.eqns:
+        if not inlinable(e):
+            eqns.append(e.replace(invars=[outer(a) for a in e.invars]))
+            continue
+        inner = inline_jits(_as_body(e.params["jaxpr"]).jaxpr)
+        env = {bv: outer(ov) for bv, ov in zip(inner.invars, e.invars)}
+
+        def rename(a, env=env):
+            if isinstance(a, Literal) or is_dropvar(a):
+                return a
+            if a not in env:
+                env[a] = Var(a.aval)
+            return env[a]
+
+        for ie in inner.eqns:
+            eqns.append(
+                ie.replace(
+                    invars=[rename(a) for a in ie.invars],
+                    outvars=[rename(a) for a in ie.outvars],
+                )
+            )
+        for ov, bo in zip(e.outvars, inner.outvars):
+            if not is_dropvar(ov):
+                sub[ov] = rename(bo)
+    return jaxpr.replace(eqns=eqns, outvars=[outer(a) for a in jaxpr.outvars])
+
+
+def _closed_consts(j: Any) -> tuple:
+    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
+        return tuple(j.consts) + tuple(j.jaxpr.constvars)
+    return tuple(getattr(j, "constvars", ()))
+
+
+_BODIES: dict = {}
 
 
 def _as_body(j: Any) -> Body:
+    """The body of a nested jaxpr, with jits inlined; memoised per jaxpr."""
+    hit = _BODIES.get(id(j))
+    if hit is not None and hit[0] is j:
+        return hit[1]
+    if len(_BODIES) > 4096:
+        _BODIES.clear()
+    body = _make_body(j)
+    _BODIES[id(j)] = (j, body)
+    return body
+
+
+def _make_body(j: Any) -> Body:
     if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
         inner, consts = j.jaxpr, tuple(j.consts)
     else:
@@ -112,7 +182,7 @@ def _as_body(j: Any) -> Body:
         inner = inner.replace(
             constvars=[], invars=list(inner.constvars) + list(inner.invars)
         )
-    return Body(inner, consts)
+    return Body(inline_jits(inner), consts)
 
 
 def call_body(eqn: JaxprEqn) -> Body | None:

@@ -113,7 +113,29 @@ class _Tile:
     eqns: tuple[int, ...]
 
 
-_Step = _Forward | _Solve | _Custom | _Call | _Scan | _Tile
+@dataclasses.dataclass(frozen=True)
+class _Select:
+    """Values rebuilt through ``select_n`` with a known predicate.
+
+    Each case is inverted separately, from the selected output, by a chain of
+    elementwise steps back to values common to all cases; where the predicate
+    picks a case, that case's reconstruction is exact, and the results are
+    merged with the same predicate.
+    """
+
+    eqn: int
+    vars: tuple[Any, ...]
+    branches: tuple[tuple[Any, tuple[tuple[int, InverseRule, int], ...]], ...]
+
+
+_Step = _Forward | _Solve | _Custom | _Call | _Scan | _Tile | _Select
+
+# Primitives that map each element to the element at the same position, so that
+# a select_n's cases can be inverted position by position.
+_ELEMENTWISE = frozenset(
+    "add add_any sub neg mul div exp log exp2 log1p expm1 tanh atanh logistic "
+    "sinh asinh sqrt rsqrt cbrt integer_pow convert_element_type copy copy_p".split()
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -281,6 +303,12 @@ class _Analysis:
                 done[i] = True
                 self.failures.pop(i, None)
                 return self._add(step, [v for v, k in zip(eqn.invars, ins) if not k])
+        if _jaxpr.primitive_name(eqn) == "select_n" and all(outs):
+            sel = self._try_select(i, eqn)
+            if sel is not None:
+                done[i] = True
+                self.failures.pop(i, None)
+                return self._add(sel, sel.vars)
         if _jaxpr.primitive_name(eqn) == "slice" and all(outs):
             operand = eqn.invars[0]
             tile = self._try_tile(operand)
@@ -422,6 +450,54 @@ class _Analysis:
             return None
         return _Tile(operand, tuple(used))
 
+    # -- select_n with a known predicate ---------------------------------------- #
+
+    def _try_select(self, i, eqn):
+        pred, cases = eqn.invars[0], list(dict.fromkeys(eqn.invars[1:]))
+        if not self.is_known(pred) or any(self.is_known(c) for c in cases):
+            return None
+        shape = tuple(_jaxpr.aval(eqn.outvars[0]).shape)
+        branches, reached = [], []
+        for case in cases:
+            steps, local, frontier = [], [case], [case]
+            while frontier:
+                j = self._producers_of(frontier.pop())
+                if not j:
+                    continue
+                e = self.jaxpr.eqns[j[0]]
+                if _jaxpr.primitive_name(e) not in _ELEMENTWISE:
+                    continue
+                if not all(o in local for o in e.outvars):
+                    continue
+                unk = [n for n, u in enumerate(e.invars) if not self.is_known(u)]
+                if len(unk) != 1:
+                    continue
+                u = e.invars[unk[0]]
+                if u in local or tuple(_jaxpr.aval(u).shape) != shape:
+                    continue
+                rule = get_rule(_jaxpr.primitive_name(e))
+                try:
+                    _abstract_solve(
+                        rule, e, [n != unk[0] for n in range(len(e.invars))]
+                    )
+                except NotInvertibleError:
+                    continue
+                steps.append((j[0], rule, unk[0]))
+                local.append(u)
+                frontier.append(u)
+            branches.append((case, tuple(steps)))
+            reached.append(local)
+        common = [v for v in reached[0] if all(v in r for r in reached[1:])]
+        if not common:
+            self._fail(
+                i,
+                eqn,
+                "its cases are not elementwise-invertible functions of one common "
+                "value",
+            )
+            return None
+        return _Select(i, tuple(common), tuple(branches))
+
     def _best_failure(self):
         if not self.failures:
             return None
@@ -554,6 +630,13 @@ class _Interpreter:
             return eqns[step.eqn].invars
         if isinstance(step, _Tile):
             return [v for j in step.eqns for v in eqns[j].outvars]
+        if isinstance(step, _Select):
+            sel = eqns[step.eqn]
+            needs = [sel.invars[0], *sel.outvars]
+            for _, chain in step.branches:
+                for j, _, u in chain:
+                    needs += [v for n, v in enumerate(eqns[j].invars) if n != u]
+            return needs
         eqn = eqns[step.eqn]
         unknown = set(step.unknown)
         outs = [v for v in eqn.outvars if not _jaxpr.is_dropvar(v)]
@@ -590,6 +673,30 @@ class _Interpreter:
                     acc, piece.astype(aval.dtype), eqn.params["start_indices"]
                 )
             self._set([step.var], [acc])
+            return None
+        if isinstance(step, _Select):
+            sel = eqns[step.eqn]
+            pred, y = self.read(sel.invars[0]), self.read(sel.outvars[0])
+            merged = {v: [] for v in step.vars}
+            for case, chain in step.branches:
+                local = {case: y}
+                for j, rule, u in chain:
+                    e = eqns[j]
+                    outs = [local[o] for o in e.outvars]
+                    ins = [
+                        None if n == u else self.read(v) for n, v in enumerate(e.invars)
+                    ]
+                    avals = [_jaxpr.aval(v) for v in e.invars]
+                    local[e.invars[u]] = rule.solve(
+                        outs, ins, **e.params, _revnet_in_avals=avals
+                    )[u]
+                for v in step.vars:
+                    merged[v].append(local[v])
+            # A case used twice shares one branch.
+            index = {c: k for k, (c, _) in enumerate(step.branches)}
+            for v in step.vars:
+                vals = [merged[v][index[c]] for c in sel.invars[1:]]
+                self._set([v], [lax.select_n(pred, *vals)])
             return None
         eqn = eqns[step.eqn]
         unknown = set(step.unknown)

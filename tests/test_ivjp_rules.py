@@ -30,6 +30,7 @@ def _times3(x):
 
 _times3.defvjp(lambda x: (x * 3.0, None), lambda _, g: (g * 3.0,))
 
+_MASK = np.arange(24).reshape(6, 4) % 3 == 0
 _M = np.eye(6) * 3.0 + np.arange(36.0).reshape(6, 6) / 40.0
 
 RULE_CASES = {
@@ -56,6 +57,8 @@ RULE_CASES = {
     "copy": lambda x: jnp.array(x, copy=True) * 1.0,
     "cumsum": lambda x: jnp.cumsum(x, axis=0),
     "cumsum_reverse": lambda x: jax.lax.cumsum(x, axis=1, reverse=True),
+    "select_n_known_predicate": lambda x: jnp.where(_MASK, x * 2.0 + 1.0, jnp.exp(x)),
+    "select_n_conditional_update": lambda x: jnp.where(_MASK, x, x - 3.0),
     "dot_known_square_right": lambda x: (x.T @ _M).T,
     "dot_known_square_left": lambda x: _M @ x,
     "jit_call": jax.jit(lambda x: x * 2.0 + 1.0),
@@ -250,6 +253,21 @@ def test_unused_input_is_reported():
 def test_broadcast_operand_is_not_invertible():
     with pytest.raises(revnet.NotInvertibleError, match="broadcast"):
         revnet.invertible(lambda a: a + jnp.ones((3, 2)))(jnp.ones(2))
+
+
+def test_select_n_with_a_known_case_is_rejected():
+    mask = np.arange(4) % 2 == 0
+    with pytest.raises(revnet.NotInvertibleError, match="select_n"):
+        revnet.invertible(lambda x: jnp.where(mask, x, 0.0))(jnp.ones(4))
+
+
+def test_select_n_inside_a_coupling():
+    mask = np.arange(4) % 2 == 0
+
+    def f(a, b):
+        return jnp.where(mask, a + jnp.tanh(b), a), b
+
+    check_against_autodiff(f, jnp.linspace(-1, 1, 4), jnp.linspace(0, 2, 4))
 
 
 def test_dot_with_non_square_matrix_is_rejected():
