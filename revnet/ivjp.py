@@ -141,10 +141,6 @@ def _with(ins: Sequence[Any], i: int, value: Any) -> list[Any]:
     return out
 
 
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.inexact)
-
-
 # The analysis passes the avals of unknown inputs through ``shapes``.
 _SHAPES = "_revnet_in_avals"
 
@@ -157,42 +153,34 @@ def _in_aval(params: dict, i: int) -> Any:
 # Arithmetic: add, sub, neg, mul, div.
 
 
-def _add(outs, ins, **params):
-    (y,) = outs
-    i = _one_unknown(ins)
-    _check_not_broadcast(_in_aval(params, i).shape, y)
-    return _with(ins, i, y - ins[1 - i])
+def _binary(solve: Callable[[Any, Any, int], Any], what: str = "") -> InverseRuleFn:
+    """A rule for ``y = a op b`` solving the one unknown operand.
+
+    ``solve(y, known, i)`` returns operand ``i`` from the output and the other
+    operand. With ``what``, integer operands are refused (``what`` names the
+    operation in the message).
+    """
+
+    def rule(outs, ins, **params):
+        (y,) = outs
+        i = _one_unknown(ins)
+        a = _in_aval(params, i)
+        _check_not_broadcast(a.shape, y)
+        if what and not jnp.issubdtype(a.dtype, jnp.inexact):
+            raise NotInvertibleError(f"integer {what} is not invertible")
+        return _with(ins, i, solve(y, ins[1 - i], i))
+
+    return rule
 
 
-def _sub(outs, ins, **params):
-    (y,) = outs
-    i = _one_unknown(ins)
-    _check_not_broadcast(_in_aval(params, i).shape, y)
-    return _with(ins, i, ins[0] - y if i == 1 else y + ins[1])
+_add = _binary(lambda y, k, i: y - k)
+_sub = _binary(lambda y, k, i: k - y if i == 1 else y + k)
+_mul = _binary(lambda y, k, i: y / k, "multiplication")
+_div = _binary(lambda y, k, i: y * k if i == 0 else k / y, "division")
 
 
 def _neg(outs, ins, **params):
     return [-outs[0]]
-
-
-def _mul(outs, ins, **params):
-    (y,) = outs
-    i = _one_unknown(ins)
-    a = _in_aval(params, i)
-    _check_not_broadcast(a.shape, y)
-    if not jnp.issubdtype(a.dtype, jnp.inexact):
-        raise NotInvertibleError("integer multiplication is not invertible")
-    return _with(ins, i, y / ins[1 - i])
-
-
-def _div(outs, ins, **params):
-    (y,) = outs
-    i = _one_unknown(ins)
-    a = _in_aval(params, i)
-    _check_not_broadcast(a.shape, y)
-    if not jnp.issubdtype(a.dtype, jnp.inexact):
-        raise NotInvertibleError("integer division is not invertible")
-    return _with(ins, i, y * ins[1] if i == 0 else ins[0] / y)
 
 
 for _name, _fn in [
