@@ -1,0 +1,112 @@
+"""Memory and compute of the reversible training step, from XLA's plans.
+
+``temp_size_in_bytes`` is the activation/workspace memory XLA plans for the
+compiled ``jit(grad(loss))``; ``cost_analysis()["flops"]`` counts a loop body
+once, so reversible and standard scans of the same depth are compared per
+step, and unrolled chains are compared in full.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+from revnet import blocks
+from tests.blocks.descriptors import affine
+from tests.blocks.helpers import compiled
+
+
+def wide_additive(h: jax.Array) -> jax.Array:
+    half = h.shape[-1] // 2
+    mlp = lambda u: hk.nets.MLP([64, half], activation=jnp.tanh)(u)  # noqa: E731
+    return blocks.AdditiveCoupling(mlp, mlp)(h)
+
+
+def sequence(depth: int, reversible: bool):
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            wide_additive, depth, reversible=reversible
+        )(x)
+    )
+
+
+def revnet(depth: int, reversible: bool):
+    # Two stages of depth // 2 units each, and one non-reversible transition.
+    config = blocks.RevNetConfig((depth // 2, depth // 2), (8, 8, 16))
+    return hk.transform_with_state(
+        lambda x: blocks.RevNet(config, 10, reversible=reversible)(x, True)
+    )
+
+
+SHAPES = {sequence: (256, 64), revnet: (8, 8, 8, 3)}
+
+
+def train_step(model, depth: int, reversible: bool):
+    """The compiled ``jit(grad(loss))`` of a model (parameters never built)."""
+    net = model(depth, reversible)
+    x = jax.ShapeDtypeStruct(SHAPES[model], jnp.float32)
+    params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+
+    def loss(params, state, x):
+        return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
+
+    return compiled(jax.grad(loss), params, state, x)
+
+
+def temp(model, depth, reversible):
+    return train_step(model, depth, reversible).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("model", [sequence, revnet])
+def test_activation_memory_is_flat_in_depth(model):
+    rev = {d: temp(model, d, True) for d in (4, 64)}
+    std = {d: temp(model, d, False) for d in (4, 64)}
+    print(f"{model.__name__}: reversible {rev}, standard {std}")
+    assert rev[64] <= 1.10 * rev[4]
+    # The twin stores activations per block: linear growth.
+    assert std[64] >= 8 * std[4]
+    assert rev[64] * 10 <= std[64]
+
+
+def flop_ratio(model, depth):
+    rev, std = (
+        train_step(model, depth, r).cost_analysis()["flops"] for r in (True, False)
+    )
+    return rev / std
+
+
+@pytest.mark.parametrize("model", [sequence, revnet])
+def test_reversible_flops_within_limit(model):
+    ratio = flop_ratio(model, 4)
+    print(f"{model.__name__}: FLOP ratio {ratio:.3f}")
+    # Fused backward: 4/3 for the couplings (plus cheap non-reversible parts).
+    # The lower bound shows the blocks really are recomputed.
+    assert 1.1 <= ratio <= 1.40
+
+
+def test_unrolled_chain_flops_within_limit():
+    """A heterogeneous list is unrolled, so every block is counted."""
+
+    def chain(reversible):
+        return hk.transform_with_state(
+            lambda x: blocks.ReversibleSequence(
+                [wide_additive, affine, wide_additive], reversible=reversible
+            )(x)
+        )
+
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+
+    def step_flops(reversible):
+        net = chain(reversible)
+        params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+
+        def loss(params, state, x):
+            return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
+
+        return compiled(jax.grad(loss), params, state, x).cost_analysis()["flops"]
+
+    ratio = step_flops(True) / step_flops(False)
+    print(f"unrolled chain: FLOP ratio {ratio:.3f}")
+    assert 1.1 <= ratio <= 1.40
