@@ -8,6 +8,8 @@ step, and unrolled chains are compared in full.
 
 from __future__ import annotations
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,7 @@ def revnet(depth: int, reversible: bool):
 SHAPES = {sequence: (256, 64), revnet: (8, 8, 8, 3)}
 
 
+@functools.cache
 def train_step(model, depth: int, reversible: bool):
     """The compiled ``jit(grad(loss))`` of a model (parameters never built)."""
     net = model(depth, reversible)

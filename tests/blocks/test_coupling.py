@@ -49,7 +49,7 @@ def test_affine_log_scale_is_softly_bounded(bound, magnitude):
     np.testing.assert_allclose(per_channel, expected, rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(
     depth=st.integers(1, 40),
     batch=st.integers(1, 4),
