@@ -191,14 +191,60 @@ class ChannelPermutation(hk.Module):
         return self._rule(y).unpermute(y)
 
 
+_BN_DEFAULTS = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
+
+
+def conv_stack(
+    h: jax.Array,
+    is_training: bool,
+    output_channels: int,
+    bottleneck: bool = False,
+    stride: int = 1,
+    bn_config: dict[str, Any] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pre-activation convolutions: (BatchNorm, ReLU, conv) two or three times.
+
+    Args:
+      h: Input of shape ``[batch, height, width, channels]``.
+      is_training: Whether BatchNorm uses batch statistics (and updates state).
+      output_channels: Channels of the output.
+      bottleneck: 1x1 -> 3x3 -> 1x1 convolutions (inner width
+        ``output_channels // 4``) instead of two 3x3 convolutions.
+      stride: Stride of the first 3x3 convolution.
+      bn_config: Keyword arguments of ``hk.BatchNorm`` (defaults: scale and
+        offset, ``decay_rate=0.9``).
+
+    Returns:
+      ``(output, preactivation)``, the latter being the first
+      ``relu(batch_norm(h))`` (for a projection shortcut).
+    """
+    bn_config = {**_BN_DEFAULTS, **(bn_config or {})}
+    if bottleneck:
+        inner = output_channels // 4
+        kernels, widths, strides = (
+            (1, 3, 1),
+            (inner, inner, output_channels),
+            (1, stride, 1),
+        )
+    else:
+        kernels, widths, strides = (3, 3), (output_channels,) * 2, (stride, 1)
+    preactivation = None
+    layers = zip(kernels, widths, strides, strict=True)
+    for i, (kernel, width, layer_stride) in enumerate(layers):
+        h = jax.nn.relu(hk.BatchNorm(**bn_config, name=f"bn_{i}")(h, is_training))
+        preactivation = h if preactivation is None else preactivation
+        h = hk.Conv2D(width, kernel, stride=layer_stride, name=f"conv_{i}")(h)
+    return h, preactivation
+
+
 class StageTransition(hk.Module):
     """RevNet's non-reversible downsampling unit between stages.
 
-    A pre-activation residual unit with a strided convolution and a projection
-    shortcut: ``y = conv_s(relu(bn(conv(relu(bn(x)))))) + proj_s(x)``. It
-    changes the number of channels and the resolution, so it cannot be inverted:
-    like any Haiku module, it stores its input for the backward pass (RevNet
-    does the same; there are only a few such units per network).
+    A pre-activation residual unit (see :func:`conv_stack`) whose first 3x3
+    convolution is strided, with a strided 1x1 projection shortcut. It changes
+    the number of channels and the resolution, so it cannot be inverted: like
+    any Haiku module, it stores its input for the backward pass (RevNet does the
+    same; there are only a few such units per network).
 
     Example:
 
@@ -213,6 +259,7 @@ class StageTransition(hk.Module):
         self,
         output_channels: int,
         stride: int = 2,
+        bottleneck: bool = False,
         bn_config: dict[str, Any] | None = None,
         name: str | None = None,
     ):
@@ -221,30 +268,30 @@ class StageTransition(hk.Module):
         Args:
           output_channels: Channels of the output.
           stride: Spatial stride.
-          bn_config: Keyword arguments of ``hk.BatchNorm`` (defaults: scale and
-            offset, ``decay_rate=0.9``).
+          bottleneck: Whether to use a 1x1 -> 3x3 -> 1x1 bottleneck.
+          bn_config: Keyword arguments of ``hk.BatchNorm``.
           name: Name of the module.
         """
         super().__init__(name=name)
         self.output_channels = output_channels
         self.stride = stride
-        self.bn_config = {
-            "create_scale": True,
-            "create_offset": True,
-            "decay_rate": 0.9,
-            **(bn_config or {}),
-        }
+        self.bottleneck = bottleneck
+        self.bn_config = bn_config
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
         """Downsamples ``x`` of shape ``[batch, height, width, channels]``."""
         check_input(self.module_name, x, rank=4, expected="[batch, h, w, channels]")
-        h = jax.nn.relu(hk.BatchNorm(**self.bn_config)(x, is_training))
+        h, preactivation = conv_stack(
+            x,
+            is_training,
+            self.output_channels,
+            bottleneck=self.bottleneck,
+            stride=self.stride,
+            bn_config=self.bn_config,
+        )
         shortcut = hk.Conv2D(
             self.output_channels, 1, stride=self.stride, with_bias=False, name="proj"
-        )(h)
-        h = hk.Conv2D(self.output_channels, 3, stride=self.stride, name="conv_0")(h)
-        h = hk.BatchNorm(**self.bn_config)(h, is_training)
-        h = hk.Conv2D(self.output_channels, 3, name="conv_1")(jax.nn.relu(h))
+        )(preactivation)
         return h + shortcut
 
     def inverse(self, y: jax.Array, is_training: bool = False) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from revnet.blocks._checks import check_input
 from revnet.blocks.coupling import AdditiveCoupling
-from revnet.blocks.layers import StageTransition
+from revnet.blocks.layers import StageTransition, conv_stack
 from revnet.blocks.sequence import ReversibleSequence
 
 _BN = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
@@ -50,9 +50,7 @@ CONFIGS = {
 
 
 def residual_function(
-    h: jax.Array,
-    is_training: bool,
-    bottleneck: bool = False,
+    h: jax.Array, is_training: bool, bottleneck: bool = False
 ) -> jax.Array:
     """RevNet's residual function: pre-activation conv units with BatchNorm.
 
@@ -64,15 +62,7 @@ def residual_function(
     Returns:
       An array shaped like ``h``.
     """
-    channels = h.shape[-1]
-    if bottleneck:
-        kernels, widths = (1, 3, 1), (channels // 4, channels // 4, channels)
-    else:
-        kernels, widths = (3, 3), (channels, channels)
-    for i, (kernel, width) in enumerate(zip(kernels, widths, strict=True)):
-        h = jax.nn.relu(hk.BatchNorm(**_BN, name=f"bn_{i}")(h, is_training))
-        h = hk.Conv2D(width, kernel, name=f"conv_{i}")(h)
-    return h
+    return conv_stack(h, is_training, h.shape[-1], bottleneck=bottleneck)[0]
 
 
 class RevNet(hk.Module):
@@ -142,7 +132,7 @@ class RevNet(hk.Module):
             transition = None
             if stride != 1 or stage_width != width:
                 transition = StageTransition(
-                    stage_width, stride, name=f"transition_{i}"
+                    stage_width, stride, config.bottleneck, name=f"transition_{i}"
                 )
             self._transitions.append(transition)
             if stage_width % 2:

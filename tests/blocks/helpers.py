@@ -21,7 +21,7 @@ def assert_trees_close(actual: Any, expected: Any, rtol: float, floor=0.1) -> No
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     leaves = jax.tree.leaves(expected)
     tree_max = max(float(jnp.max(jnp.abs(leaf))) for leaf in leaves)
-    assert tree_max > 0, "all gradients are zero: the comparison would be vacuous"
+    assert tree_max > 0, "all values are zero: the comparison would be vacuous"
     paths = jax.tree_util.tree_flatten_with_path(expected)[0]
     for (path, b), a in zip(paths, jax.tree.leaves(actual), strict=True):
         a, b = np.asarray(a), np.asarray(b)

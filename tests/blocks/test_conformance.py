@@ -44,11 +44,13 @@ def test_jit_matches_eager_and_inverse_round_trips(entry):
         # The same RNG key replays the same dropout masks in the inverse.
         rebuilt, _ = run(inverse)(params, state, RNG, y)
         results.append((y, new_state, rebuilt))
-    jax.tree.map(
-        functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
-        results[1],
-        results[0],
-    )
+    # Not bitwise: XLA fuses differently under jit. Each array is compared
+    # elementwise, with an absolute term relative to its largest value.
+    for jitted, eager in zip(*map(jax.tree.leaves, results), strict=True):
+        if np.any(eager):
+            assert_trees_close(jitted, eager, rtol=1e-5, floor=1.0)
+        else:
+            np.testing.assert_array_equal(jitted, eager)
     target = entry.round_trip_target(x, y)
     assert rebuilt.shape == target.shape and rebuilt.dtype == target.dtype
     np.testing.assert_allclose(rebuilt, target, rtol=1e-5, atol=1e-5)

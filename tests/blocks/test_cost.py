@@ -42,7 +42,16 @@ def revnet(depth: int, reversible: bool):
     )
 
 
-SHAPES = {sequence: (256, 64), revnet: (8, 8, 8, 3)}
+def chain(depth: int, reversible: bool):
+    # A heterogeneous list is unrolled, yet its memory must not grow either.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            [wide_additive] * depth, reversible=reversible
+        )(x)
+    )
+
+
+SHAPES = {sequence: (256, 64), revnet: (8, 8, 8, 3), chain: (256, 64)}
 
 
 @functools.cache
@@ -62,7 +71,7 @@ def temp(model, depth, reversible):
     return train_step(model, depth, reversible).memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("model", [sequence, revnet])
+@pytest.mark.parametrize("model", [sequence, revnet, chain])
 def test_activation_memory_is_flat_in_depth(model):
     rev = {d: temp(model, d, True) for d in (4, 64)}
     std = {d: temp(model, d, False) for d in (4, 64)}

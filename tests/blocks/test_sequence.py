@@ -160,3 +160,23 @@ def test_array_arguments_are_rejected():
     )
     with pytest.raises(TypeError, match="static"):
         model.init(jax.random.PRNGKey(0), jnp.ones([1, 4]))
+
+
+@pytest.mark.parametrize(
+    "config, convs", [("revnet38", 38), ("revnet110", 110), ("revnet164", 164)]
+)
+def test_revnet_family_depths(config, convs):
+    """Depth counts the convolutions on the path through the reversible units.
+
+    Each unit has two residual functions of two (three with bottlenecks)
+    convolutions; add the initial convolution and the classifier.
+    """
+    net = hk.transform_with_state(lambda x: blocks.RevNet(config, 10)(x, True))
+    x = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
+    params, _ = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+    stage_convs = sum(
+        leaf["w"].shape[0]
+        for path, leaf in params.items()
+        if "/stage_" in path and "conv_" in path
+    )
+    assert stage_convs + 2 == convs
