@@ -70,8 +70,9 @@ class RevNet(hk.Module):
 
     Example:
 
+    >>> config = RevNetConfig(units=(2,), channels=(8, 8))  # or "revnet38"
     >>> def net(images, is_training):
-    ...   return RevNet("tiny", num_classes=10)(images, is_training)
+    ...   return RevNet(config, num_classes=10)(images, is_training)
     >>> net = hk.transform_with_state(net)
     >>> images = jnp.ones([2, 8, 8, 3])
     >>> params, state = jax.jit(net.init, static_argnums=2)(

@@ -40,7 +40,8 @@ class ReversibleTransformer(hk.Module):
     ...   return ReversibleTransformer(2, 2, 16, 32)(x, is_training)
     >>> encoder = hk.transform(encoder)
     >>> x = jnp.ones([2, 5, 16])
-    >>> params = encoder.init(jax.random.PRNGKey(0), x, True)
+    >>> params = jax.jit(encoder.init, static_argnums=2)(
+    ...     jax.random.PRNGKey(0), x, True)
     >>> encoder.apply(params, None, x, False).shape
     (2, 5, 16)
     """

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from revnet import blocks
-from tests.blocks.descriptors import additive, conv_unit
+from tests.blocks.descriptors import additive, affine, conv_unit
 from tests.blocks.helpers import assert_trees_close
 
 
@@ -180,3 +180,32 @@ def test_revnet_family_depths(config, convs):
         if "/stage_" in path and "conv_" in path
     )
     assert stage_convs + 2 == convs
+
+
+def test_sequences_nest_inside_blocks():
+    """A sequence inside a block is recorded as one step of the outer one."""
+
+    def net(reversible):
+        def fn(x):
+            inner = blocks.ReversibleSequence(affine, 2, reversible=reversible)
+            outer = blocks.ReversibleSequence(
+                lambda h: inner(additive(h)), 3, reversible=reversible
+            )
+            y = outer(x)
+            return y, outer.inverse(y)
+
+        return hk.transform(fn)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+    params = net(True).init(jax.random.PRNGKey(0), x)
+    assert {p.shape[:2] for p in jax.tree.leaves(params)} >= {(3, 2)}
+    _, rebuilt = jax.jit(net(True).apply)(params, None, x)
+    np.testing.assert_allclose(rebuilt, x, rtol=1e-5, atol=1e-5)
+
+    def grads(reversible):
+        def loss(p, x):
+            return jnp.sum(jnp.sin(net(reversible).apply(p, None, x)[0]))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+    assert_trees_close(grads(True), grads(False), 1e-5)
