@@ -20,7 +20,6 @@ from typing import Any
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 PureApply = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 
@@ -36,18 +35,6 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
         return leaf
 
     return jax.tree.map(cast, tree)
-
-
-def zero_cotangent(tree: Any) -> Any:
-    """Zero cotangents for ``tree``: ``float0`` for integer and key leaves."""
-
-    def zero(leaf):
-        dtype = jnp.result_type(leaf)
-        if jnp.issubdtype(dtype, jnp.inexact):
-            return jnp.zeros(jnp.shape(leaf), dtype)
-        return np.zeros(jnp.shape(leaf), jax.dtypes.float0)
-
-    return jax.tree.map(zero, tree)
 
 
 class Lifted:

@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from revnet.blocks import _tape
 from revnet.blocks._checks import check_input
-from revnet.blocks._lift import Lifted, zero_cotangent
+from revnet.blocks._lift import Lifted
 
 BlockFn = Callable[..., jax.Array]
 
@@ -117,6 +118,18 @@ class ChainRule(NamedTuple):
             y, dy, dp = layer.backward(p, (s, k), y, dy)
             grads.append(dp)
         return y, dy, tuple(reversed(grads))
+
+
+def zero_cotangent(tree: Any) -> Any:
+    """Zero cotangents for ``tree``: ``float0`` for integer and key leaves."""
+
+    def zero(leaf):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.zeros(jnp.shape(leaf), dtype)
+        return np.zeros(jnp.shape(leaf), jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
 
 
 def reversible_apply(
