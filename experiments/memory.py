@@ -17,6 +17,7 @@ Run ``python -m experiments.memory --help`` for the flags.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import sys
 from typing import Any
 
@@ -25,8 +26,8 @@ from experiments import common
 DESCRIPTION = __doc__.split("\n\n")[0]
 DEPTHS_QUICK = {
     "mlp": [2, 4, 8, 16, 32],
-    "revnet": [1, 2, 4, 8],
-    "transformer": [2, 4, 8, 16, 32],
+    "revnet": [1, 2, 4],
+    "transformer": [2, 8, 32],
 }
 DEPTHS_FULL = {
     "mlp": [2, 4, 8, 16, 32, 64, 128],
@@ -34,6 +35,13 @@ DEPTHS_FULL = {
     "transformer": [2, 4, 8, 16, 32, 64],
 }
 DEPTHS_TINY = {"mlp": [2, 8, 32], "revnet": [1, 2], "transformer": [2, 8]}
+# What --quick measures beyond the sweep, per model (compiling a RevNet takes
+# several seconds, so its budget search and RSS runs are left to full runs).
+QUICK_EXTRAS = {
+    "mlp": {"budget": "both", "rss": True},
+    "transformer": {"budget": "depth", "rss": False},
+    "revnet": {"budget": "none", "rss": False},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("none", "largest", "all"),
         default=None,
         help="depths at which to measure peak RSS in subprocesses "
-        "(default: largest; none with --tiny)",
+        "(default: largest; in --quick mode for the MLP only; none with --tiny)",
+    )
+    parser.add_argument(
+        "--budget-search",
+        choices=("auto", "none", "depth", "both"),
+        default="auto",
+        help="search the largest depth and/or batch under --budget-mib "
+        "(auto: both; in --quick mode depth+batch for the MLP, depth for the "
+        "transformer, none for the RevNet; depth only with --tiny)",
     )
     return parser
 
@@ -161,7 +177,13 @@ def sweep_model(
     if not rows:
         return result
     _add_ratios(rows)
-    result["budget"] = _budgets(model, sizes, depths, rows, args)
+    search = args.budget_search
+    if search == "auto":
+        search = "depth" if args.tiny else "both"
+        if args.quick and not args.tiny:
+            search = QUICK_EXTRAS[model]["budget"]
+    if search != "none":
+        result["budget"] = _budgets(model, sizes, depths, rows, args, search)
     if model == "mlp" and not args.tiny:
         result["unrolled_flops"] = _unrolled_flops(sizes, args.methods)
     result["rss"] = _rss(model, sizes, depths, methods, missing, args)
@@ -188,6 +210,7 @@ def _budgets(
     depths: list[int],
     rows: list[dict[str, Any]],
     args: argparse.Namespace,
+    search: str,
 ) -> dict[str, Any]:
     budget = args.budget_mib * common.MIB
     out: dict[str, Any] = {"budget_mib": args.budget_mib, "methods": {}}
@@ -202,7 +225,7 @@ def _budgets(
         )
         by_depth = _budget_fit(spec, "depth", guess, depth_cap, budget)
         out["methods"][method] = {"largest_depth": by_depth}
-        if not args.tiny:  # --tiny keeps the test suite short: depth only
+        if search == "both":
             per_example = mine[-1]["total_bytes"] / sizes["batch"]
             batch_guess = max(1, int(budget / per_example))
             by_batch = _budget_fit(spec, "batch", batch_guess, 1 << 16, budget)
@@ -252,21 +275,26 @@ def _rss(
     missing: dict[str, str],
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
-    if args.rss == "none":
+    rss = args.rss
+    if rss is None:
+        rss = "largest" if not args.quick or QUICK_EXTRAS[model]["rss"] else "none"
+    if rss == "none":
         return []
-    chosen = depths if args.rss == "all" else [depths[-1]]
+    chosen = depths if rss == "all" else [depths[-1]]
+    jobs = [
+        {"model": model, "method": method, "depth": depth, **sizes}
+        for depth in chosen
+        for method in methods
+        if method not in missing
+    ]
+    # Two processes at a time: each reads its own high-water mark, so running
+    # side by side does not change what either measures.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(common.peak_rss_subprocess, jobs))
     out = []
-    for depth in chosen:
-        for method in methods:
-            if method in missing:
-                continue
-            spec = {"model": model, "method": method, "depth": depth, **sizes}
-            res = common.peak_rss_subprocess(spec)
-            out.append({"depth": depth, "method": method, **res})
-            print(
-                f"[memory] {model:11s} depth {depth:4d} {method:10s} rss {res}",
-                flush=True,
-            )
+    for spec, res in zip(jobs, results, strict=True):
+        out.append({"depth": spec["depth"], "method": spec["method"], **res})
+        print(f"[memory] {model:11s} {out[-1]}", flush=True)
     return out
 
 
@@ -353,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_mib = 64.0 if args.quick else 1024.0
     if args.repeats is None:
         args.repeats = 3 if args.tiny else 5 if args.quick else 15
-    if args.rss is None:
-        args.rss = "none" if args.tiny else "largest"
+    if args.rss is None and args.tiny:
+        args.rss = "none"
     if args.tiny and args.models == build_parser().get_default("models"):
         args.models = ["mlp"]
     import jax

@@ -1,0 +1,379 @@
+"""Writes ``REPORT.md`` from the experiments' JSON files, plots embedded.
+
+Every number in the report is read from ``<out>/<name>.json``; nothing is
+typed in by hand. Run ``python -m experiments.report --out results`` to
+rebuild the report from existing results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from experiments import common
+
+MIB = 2**20
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _load(out: str, name: str) -> dict[str, Any] | None:
+    path = os.path.join(out, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _image(out: str, name: str) -> str:
+    return (
+        f"![{name}]({name}.png)"
+        if os.path.exists(os.path.join(out, f"{name}.png"))
+        else ""
+    )
+
+
+def memory_section(res: dict[str, Any], out: str) -> str:
+    """Tables for the memory sweep."""
+    parts = ["## Memory, FLOPs and time vs depth (`experiments.memory`)", ""]
+    parts.append(
+        "Same parameters trained three ways: standard backprop (`reversible=False`), "
+        "per-block checkpointing (every coupling wrapped in `hk.remat` on the "
+        "`reversible=False` network), and the reversible backward pass; for the "
+        "MLP also the same stack as a plain function under `@revnet.invertible` "
+        "(`generic`). Memory is the compiled `temp_size_in_bytes`; FLOPs come from "
+        "`cost_analysis()`, which counts a scan body ONCE whatever the depth, so "
+        "these FLOP ratios are per-block ratios of the scanned stacks (plus fixed "
+        "parts such as the stem and head); the unrolled MLP rows below give the "
+        "true per-block cost. Step time: median over alternating runs, ratio to "
+        "standard with the ratio of the fastest (slowest) runs as min (max)."
+    )
+    parts.append("")
+    parts.append(_image(out, "memory"))
+    for name, model in res["models"].items():
+        rows = model.get("rows") or []
+        parts += ["", f"### {name}", ""]
+        if model.get("missing"):
+            parts.append(f"Missing: {model['missing']}")
+        if not rows:
+            continue
+        parts.append(f"Sizes: `{json.dumps(model['sizes'])}`")
+        parts.append("")
+        parts.append(
+            _table(
+                [
+                    "depth",
+                    "method",
+                    "temp MiB",
+                    "temp / std",
+                    "FLOPs / std",
+                    "time / std (median)",
+                    "min",
+                    "max",
+                ],
+                [
+                    [
+                        r["depth"],
+                        r["method"],
+                        r["temp_bytes"] / MIB,
+                        r.get("temp_ratio"),
+                        r.get("flops_ratio"),
+                        r.get("time_ratio"),
+                        r.get("time_ratio_min"),
+                        r.get("time_ratio_max"),
+                    ]
+                    for r in rows
+                ],
+            )
+        )
+        unrolled = model.get("unrolled_flops")
+        if unrolled and unrolled.get("per_block_ratio"):
+            parts += [
+                "",
+                "Unrolled (no scan) per-block FLOPs, from depths "
+                f"{unrolled['depths']}:",
+                "",
+            ]
+            parts.append(
+                _table(
+                    ["method", "FLOPs per block", "ratio to standard"],
+                    [
+                        [m, f, unrolled["per_block_ratio"][m]]
+                        for m, f in unrolled["per_block_flops"].items()
+                    ],
+                )
+            )
+        budget = model.get("budget")
+        if budget:
+            parts += [
+                "",
+                f"Largest configuration fitting {budget['budget_mib']:g} MiB "
+                "(arguments + outputs + temporaries of the compiled step; "
+                "searched by compiling):",
+                "",
+            ]
+            brows = []
+            for m, b in budget["methods"].items():
+                depth = b["largest_depth"]
+                batch = b.get("largest_batch_at_depth") or {}
+                at = f" (depth {_fmt(batch['depth'])})" if batch else ""
+                brows.append(
+                    [
+                        m,
+                        f"{'≥' if depth['at_cap'] else ''}{_fmt(depth['largest'])}",
+                        f"{_fmt(batch.get('largest'))}{at}",
+                    ]
+                )
+            parts.append(_table(["method", "largest depth", "largest batch"], brows))
+        rss = [r for r in model.get("rss") or [] if "peak_rss_mib" in r]
+        if rss:
+            parts += ["", "Peak RSS of real training steps, one process each:", ""]
+            parts.append(
+                _table(
+                    ["depth", "method", "peak RSS MiB", "increase during steps MiB"],
+                    [
+                        [
+                            r["depth"],
+                            r["method"],
+                            r["peak_rss_mib"],
+                            r["step_rss_increase_mib"],
+                        ]
+                        for r in rss
+                    ],
+                )
+            )
+        errors = [r for r in model.get("rss") or [] if "error" in r]
+        if errors:
+            parts.append(f"RSS errors: {errors}")
+    summary = res.get("summary", {})
+    lines = []
+    for name, s in summary.items():
+        if "standard_over_reversible_temp" in s:
+            lines.append(
+                f"- **{name}** at depth {s['largest_depth']}: standard uses "
+                f"{_fmt(s['standard_over_reversible_temp'])}× the reversible "
+                f"activation memory; reversible memory varies by a factor "
+                f"{_fmt(s.get('reversible_temp_spread'))} over the sweep; FLOPs "
+                f"{_fmt(s['reversible']['flops_ratio'])}× standard; step time "
+                f"{_fmt(s['reversible']['time_ratio'])}× "
+                f"(min {_fmt(s['reversible']['time_ratio_min'])}, max "
+                f"{_fmt(s['reversible']['time_ratio_max'])})."
+            )
+        if "generic_over_sequence" in s:
+            g = s["generic_over_sequence"]
+            lines.append(
+                f"- **generic `@revnet.invertible` vs `ReversibleSequence`** "
+                f"({name}): memory {_fmt(g['temp'])}×, FLOPs {_fmt(g['flops'])}× "
+                "(goal: within 5%)."
+            )
+    if lines:
+        parts += ["", "### Summary", ""] + lines
+    return "\n".join(parts)
+
+
+def train_section(res: dict[str, Any], out: str) -> str:
+    """Tables for the digits training."""
+    st = res.get("step_time", {})
+    ratio = st.get("ratio_reversible_over_standard") or {}
+    cfg = res["config"]
+    parts = [
+        "## Training a RevNet on digits (`experiments.train`)",
+        "",
+        f"RevNet with units {cfg.get('units')} and channels {cfg.get('channels')}, "
+        f"{res['train_size']} training / {res['test_size']} test images (8×8, "
+        f"scikit-learn digits), batch {cfg.get('batch')} over {res['num_devices']} "
+        f"device(s), {res['epochs_done']} epochs of SGD with momentum. Both twins "
+        "start from the same parameters and see the same batches.",
+        "",
+        _image(out, "train"),
+        "",
+        _table(
+            [
+                "twin",
+                "test accuracy",
+                "final loss",
+                "median step s",
+                "compiled step temp MiB",
+            ],
+            [
+                [
+                    t,
+                    res["test_accuracy"].get(t),
+                    res["final_loss"].get(t),
+                    st.get(t, {}).get("median_s"),
+                    res["compiled_step_memory"][t]["temp_bytes"] / MIB,
+                ]
+                for t in ("reversible", "standard")
+            ],
+        ),
+        "",
+        f"- Largest |loss difference| over all {len(res['history']['step'])} logged "
+        f"steps: {_fmt(res['loss_max_abs_diff'])} (requirement: < 1e-3).",
+        f"- Step time reversible / standard (paired steps): median "
+        f"{_fmt(ratio.get('median'))}, min {_fmt(ratio.get('min'))}, max "
+        f"{_fmt(ratio.get('max'))}.",
+        f"- Process peak RSS (both twins in one process): "
+        f"{_fmt(res['process_peak_rss_mib'])} MiB.",
+    ]
+    return "\n".join(parts)
+
+
+def numerics_section(res: dict[str, Any], out: str) -> str:
+    """Tables for the numerics sweep."""
+    threshold = res["config"]["threshold"]
+    parts = [
+        "## Numerics: reconstruction and gradient error (`experiments.numerics`)",
+        "",
+        "Relative L2 errors. Gradients are compared with ordinary backprop in "
+        "float64 (so the float64 `standard` column is 0 by construction). "
+        f'"Invertible" means reconstruction error < {threshold:g} at that depth '
+        "and every smaller measured depth.",
+        "",
+        _image(out, "numerics"),
+        "",
+        _table(
+            ["coupling", "depth", "dtype", "reconstruction", "grad rev", "grad std"],
+            [
+                [
+                    r["coupling"],
+                    r["depth"],
+                    r["dtype"],
+                    r["reconstruction_rel_error"],
+                    r["grad_rel_error_reversible"],
+                    r["grad_rel_error_standard"],
+                ]
+                for r in res["rows"]
+            ],
+        ),
+        "",
+        _table(
+            ["coupling", "dtype", "largest invertible depth measured"],
+            [
+                [c, d, v["largest_invertible_depth"]]
+                for c, by in res["limits"].items()
+                for d, v in by.items()
+            ],
+        ),
+    ]
+    return "\n".join(parts)
+
+
+def generic_section(name: str, res: dict[str, Any], out: str) -> str:
+    """A section for an experiment this module does not know in detail."""
+    parts = [f"## {name} (`experiments.{name}`)", "", _image(out, name), ""]
+    for key, value in res.items():
+        if key in ("experiment", "command", "time_utc", "machine"):
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            header = list(dict.fromkeys(k for row in value for k in row))
+            header = [
+                k for k in header if not isinstance(value[0].get(k), (list, dict))
+            ]
+            parts += [
+                f"**{key}**",
+                "",
+                _table(header, [[r.get(k) for k in header] for r in value]),
+                "",
+            ]
+        elif isinstance(value, dict):
+            flat = {k: v for k, v in value.items() if not isinstance(v, (list, dict))}
+            if flat:
+                parts += [
+                    f"**{key}**",
+                    "",
+                    _table(["field", "value"], list(flat.items())),
+                    "",
+                ]
+    return "\n".join(parts)
+
+
+def write_report(out: str, runs: Sequence[dict[str, Any]] = ()) -> str:
+    """Writes ``<out>/REPORT.md`` from whatever JSON files exist there.
+
+    Args:
+      out: The results folder.
+      runs: Optional records ``{"name", "returncode", "seconds"}`` of the runs
+        that produced the folder (from ``experiments.demo``).
+
+    Returns:
+      The path of the report.
+    """
+    known = {
+        "memory": memory_section,
+        "train": train_section,
+        "numerics": numerics_section,
+    }
+    sections = []
+    machine = None
+    for name in ("memory", "train", "numerics", "loops"):
+        res = _load(out, name)
+        if res is None:
+            sections.append(f"## {name}\n\nNo `{name}.json` in this folder.")
+            continue
+        machine = machine or res.get("machine")
+        builder = known.get(name)
+        try:
+            sections.append(
+                builder(res, out) if builder else generic_section(name, res, out)
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            sections.append(f"## {name}\n\nCould not render `{name}.json`: {err!r}")
+    head = ["# revnet: experiment report", ""]
+    if machine:
+        head.append(
+            f"Machine: {machine.get('platform')}, {machine.get('cpu_count')} CPUs, "
+            f"backend {machine.get('backend')}; jax {machine.get('jax')}, haiku "
+            f"{machine.get('haiku')}, Python {machine.get('python')}. Figures are "
+            "from one run; times on shared machines move by ±50%, compiled memory "
+            "and FLOPs are deterministic."
+        )
+    if runs:
+        head += [
+            "",
+            _table(
+                ["script", "exit code", "seconds"],
+                [[r["name"], r["returncode"], r["seconds"]] for r in runs],
+            ),
+        ]
+    text = "\n\n".join(["\n".join(head), *sections]) + "\n"
+    path = os.path.join(out, "REPORT.md")
+    common.atomic_write_bytes(path, text.encode())
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Rebuilds the report of an existing results folder."""
+    parser = common.make_parser(
+        "python -m experiments.report", __doc__.split("\n\n")[0]
+    )
+    args = common.parse_args(parser, argv)
+    print(write_report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

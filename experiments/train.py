@@ -1,0 +1,417 @@
+"""Trains a small RevNet on scikit-learn's digits, reversible and standard twins.
+
+Both twins start from the same parameters (one ``init``), see the same batches
+in the same order and step with the same optax optimiser; they differ only in
+``reversible``. The script logs both loss curves at every step, their largest
+difference, test accuracy, the step-time ratio (the twins alternate step by
+step, so they share the machine's drifting load) and each twin's compiled
+training-step memory. Training is data-parallel over all visible devices (a
+``Mesh`` with one ``data`` axis: the batch is split, parameters replicated), the
+jitted step donates parameter and optimiser buffers, and an atomic checkpoint
+after every epoch lets an interrupted run resume where it stopped.
+
+Run ``python -m experiments.train --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import resource
+import sys
+import time
+from typing import Any
+
+from experiments import common
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+TWINS = ("reversible", "standard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = common.make_parser("python -m experiments.train", DESCRIPTION)
+    parser.add_argument("--epochs", type=common.positive_int, default=None)
+    parser.add_argument(
+        "--batch",
+        type=common.positive_int,
+        default=64,
+        help="global batch, split over the devices (default: 64)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=common.positive_float,
+        default=0.05,
+        help="peak learning rate of SGD with momentum 0.9: one epoch of linear "
+        "warm-up, then cosine decay to 0 (default: 0.05)",
+    )
+    parser.add_argument(
+        "--units",
+        type=common.int_list,
+        default=None,
+        help="reversible units per stage (default: 2,2; 1,1 with --tiny)",
+    )
+    parser.add_argument(
+        "--width", type=common.positive_int, default=16, help="first stage width"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="ignore an existing checkpoint and start from scratch",
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=common.positive_int,
+        default=None,
+        help="stop after this many epochs of THIS run (simulates an interruption; "
+        "rerun to resume)",
+    )
+    parser.add_argument(
+        "--save-grads",
+        action="store_true",
+        help="also write <out>/train_grads.npz, the first step's gradients",
+    )
+    return parser
+
+
+def load_digits_split(seed: int) -> dict[str, Any]:
+    """Digits as NHWC float32 images in [0, 1], split 80/20 (stratified)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    images = (data.images / 16.0).astype(np.float32)[..., None]
+    labels = data.target.astype(np.int32)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        images, labels, test_size=0.2, random_state=seed, stratify=labels
+    )
+    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+
+
+def _config_hash(config: dict[str, Any]) -> str:
+    keys = ("epochs", "batch", "lr", "units", "width", "seed", "num_devices")
+    text = json.dumps({k: config[k] for k in keys}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _save_checkpoint(path: str, payload: dict[str, Any]) -> None:
+    import jax
+
+    common.atomic_write_bytes(path, pickle.dumps(jax.device_get(payload)))
+
+
+def _load_checkpoint(path: str, config_hash: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            payload = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError):
+        return None
+    return payload if payload.get("config_hash") == config_hash else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains both twins and returns the results (see the module docstring)."""
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from tqdm import tqdm
+
+    from revnet.blocks import RevNet, RevNetConfig
+
+    devices = jax.devices()
+    n_dev = len(devices)
+    if args.batch % n_dev:
+        raise SystemExit(
+            f"train: error: --batch {args.batch} must be divisible by the "
+            f"{n_dev} devices"
+        )
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated = NamedSharding(mesh, P())
+    split = NamedSharding(mesh, P("data"))
+
+    width = args.width
+    units = tuple(args.units)
+    channels = (width, width) + tuple(
+        width * 2 ** (i + 1) for i in range(len(units) - 1)
+    )
+    net_config = RevNetConfig(units=units, channels=channels)
+    data = load_digits_split(args.seed)
+    steps_per_epoch = len(data["x_train"]) // args.batch
+
+    def make(reversible: bool):
+        def forward(x, is_training):
+            return RevNet(net_config, num_classes=10, reversible=reversible)(
+                x, is_training
+            )
+
+        return hk.transform_with_state(forward)
+
+    nets = {twin: make(twin == "reversible") for twin in TWINS}
+    # SGD with momentum is linear in the gradients, so float32 rounding noise
+    # between the twins stays noise-sized. (Adam divides by the root of the
+    # second moment: parameters whose true gradient is zero, such as conv
+    # biases that feed a BatchNorm, would take full-sized steps in the
+    # direction of the noise and the twins' curves would drift apart.)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, steps_per_epoch, args.epochs * steps_per_epoch
+    )
+    optimizer = optax.sgd(schedule, momentum=0.9)
+
+    def make_step(net):
+        def loss_fn(params, state, x, y):
+            logits, state = net.apply(params, state, None, x, True)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return loss, state
+
+        def step(params, state, opt_state, x, y):
+            (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, state, x, y
+            )
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), state, opt_state, loss
+
+        def grads_fn(params, state, x, y):
+            return jax.grad(loss_fn, has_aux=True)(params, state, x, y)[0]
+
+        jitted = jax.jit(
+            step,
+            donate_argnums=(0, 1, 2),
+            in_shardings=(replicated, replicated, replicated, split, split),
+            out_shardings=(replicated, replicated, replicated, replicated),
+        )
+        return jitted, grads_fn
+
+    def make_eval(net):
+        @jax.jit
+        def logits(params, state, x):
+            return net.apply(params, state, None, x, False)[0]
+
+        return logits
+
+    steps = {twin: make_step(nets[twin]) for twin in TWINS}
+    evals = {twin: make_eval(nets[twin]) for twin in TWINS}
+
+    config = {
+        "epochs": args.epochs,
+        "batch": args.batch,
+        "lr": args.lr,
+        "units": list(units),
+        "width": width,
+        "seed": args.seed,
+        "num_devices": n_dev,
+    }
+    config_hash = _config_hash(config)
+    ckpt_path = os.path.join(args.out, "train_checkpoint.pkl")
+    ckpt = None if args.fresh else _load_checkpoint(ckpt_path, config_hash)
+    x0 = jnp.asarray(data["x_train"][: args.batch])
+    if ckpt is None:
+        params, state = jax.jit(nets["standard"].init, static_argnums=2)(
+            jax.random.PRNGKey(args.seed), x0, True
+        )
+        opt_state = optimizer.init(params)
+        trees = {twin: (params, state, opt_state) for twin in TWINS}
+        start_epoch = 0
+        history: dict[str, Any] = {
+            "step": [],
+            "loss": {t: [] for t in TWINS},
+            "step_time_s": {t: [] for t in TWINS},
+            "epoch_test_accuracy": {t: [] for t in TWINS},
+        }
+    else:
+        trees = ckpt["trees"]
+        start_epoch = ckpt["epoch"]
+        history = ckpt["history"]
+    # Fresh replicated copies per twin (the steps donate their inputs).
+    trees = {
+        twin: jax.tree.map(lambda a: jax.device_put(jnp.array(a), replicated), tree)
+        for twin, tree in trees.items()
+    }
+
+    def accuracy(twin: str) -> float:
+        params, state, _ = trees[twin]
+        logits = evals[twin](params, state, jnp.asarray(data["x_test"]))
+        return float(np.mean(np.argmax(np.asarray(logits), -1) == data["y_test"]))
+
+    if args.save_grads and start_epoch == 0:
+        params, state, _ = trees["reversible"]
+        xb = jax.device_put(jnp.asarray(data["x_train"][: args.batch]), split)
+        yb = jax.device_put(jnp.asarray(data["y_train"][: args.batch]), split)
+        grads = {twin: jax.jit(steps[twin][1])(params, state, xb, yb) for twin in TWINS}
+        flat = {
+            f"{twin}/{'/'.join(str(k.key) for k in path)}": np.asarray(leaf)
+            for twin in TWINS
+            for path, leaf in jax.tree_util.tree_flatten_with_path(grads[twin])[0]
+        }
+        buf_path = os.path.join(args.out, "train_grads.npz")
+        with open(buf_path + ".tmp", "wb") as f:
+            np.savez(f, **flat)
+        os.replace(buf_path + ".tmp", buf_path)
+
+    memory = {}
+    for twin in TWINS:
+        params, state, opt_state = trees[twin]
+        xb = jax.ShapeDtypeStruct((args.batch, 8, 8, 1), jnp.float32, sharding=split)
+        yb = jax.ShapeDtypeStruct((args.batch,), jnp.int32, sharding=split)
+        compiled = steps[twin][0].lower(params, state, opt_state, xb, yb).compile()
+        mem = compiled.memory_analysis()
+        memory[twin] = {
+            "temp_bytes": float(mem.temp_size_in_bytes),
+            "argument_bytes": float(mem.argument_size_in_bytes),
+        }
+
+    total = (args.epochs - start_epoch) * steps_per_epoch
+    stop_epoch = args.epochs
+    if args.stop_after is not None:
+        stop_epoch = min(args.epochs, start_epoch + args.stop_after)
+    bar = tqdm(total=total, desc="train (both twins)", unit="step", mininterval=1.0)
+    for epoch in range(start_epoch, stop_epoch):
+        order = np.random.RandomState(args.seed + epoch).permutation(
+            len(data["x_train"])
+        )
+        for i in range(steps_per_epoch):
+            idx = order[i * args.batch : (i + 1) * args.batch]
+            xb = jax.device_put(jnp.asarray(data["x_train"][idx]), split)
+            yb = jax.device_put(jnp.asarray(data["y_train"][idx]), split)
+            # Alternate which twin goes first, so neither always runs warm.
+            for twin in TWINS if i % 2 == 0 else TWINS[::-1]:
+                start = time.perf_counter()
+                *tree, loss = steps[twin][0](*trees[twin], xb, yb)
+                loss = float(loss)  # blocks until the step is done
+                history["step_time_s"][twin].append(time.perf_counter() - start)
+                trees[twin] = tuple(tree)
+                history["loss"][twin].append(loss)
+            history["step"].append(epoch * steps_per_epoch + i)
+            bar.update(1)
+        for twin in TWINS:
+            history["epoch_test_accuracy"][twin].append(accuracy(twin))
+        bar.set_postfix(
+            epoch=epoch + 1,
+            acc="/".join(f"{history['epoch_test_accuracy'][t][-1]:.3f}" for t in TWINS),
+        )
+        _save_checkpoint(
+            ckpt_path,
+            {
+                "config_hash": config_hash,
+                "epoch": epoch + 1,
+                "trees": trees,
+                "history": history,
+            },
+        )
+    bar.close()
+    finished = stop_epoch == args.epochs
+
+    losses = {t: np.asarray(history["loss"][t]) for t in TWINS}
+    diff = np.abs(losses["reversible"] - losses["standard"])
+    # Step times: drop the first epoch's first steps (compilation, warm-up).
+    warm = min(5, max(0, len(history["step"]) - 1))
+    times = {t: np.asarray(history["step_time_s"][t][warm:]) for t in TWINS}
+    ratio = times["reversible"] / np.maximum(times["standard"], 1e-12)
+    return {
+        "config": {**config, "channels": list(channels), "config_hash": config_hash},
+        "finished": finished,
+        "resumed_from_epoch": start_epoch,
+        "epochs_done": stop_epoch,
+        "steps_per_epoch": steps_per_epoch,
+        "num_devices": n_dev,
+        "train_size": len(data["x_train"]),
+        "test_size": len(data["x_test"]),
+        "history": history,
+        "loss_max_abs_diff": float(diff.max()) if diff.size else None,
+        "final_loss": {t: float(losses[t][-1]) for t in TWINS if losses[t].size},
+        "test_accuracy": {
+            t: history["epoch_test_accuracy"][t][-1]
+            for t in TWINS
+            if history["epoch_test_accuracy"][t]
+        },
+        "step_time": {
+            **{
+                t: {
+                    "median_s": float(np.median(times[t])),
+                    "min_s": float(times[t].min()),
+                    "max_s": float(times[t].max()),
+                }
+                for t in TWINS
+                if times[t].size
+            },
+            "ratio_reversible_over_standard": {
+                "median": float(np.median(ratio)),
+                "min": float(ratio.min()),
+                "max": float(ratio.max()),
+                "pairs": int(ratio.size),
+            }
+            if ratio.size
+            else None,
+        },
+        "compiled_step_memory": memory,
+        "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        / 1024,
+    }
+
+
+def plot(results: dict[str, Any], out: str) -> str:
+    """Writes ``<out>/train.png``: both loss curves, their difference, accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    hist = results["history"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for twin, style in zip(TWINS, ("-", "--"), strict=True):
+        axes[0].plot(hist["step"], hist["loss"][twin], style, label=twin)
+    axes[0].set(xlabel="step", ylabel="training loss", yscale="log")
+    axes[0].set_title("digits: loss of both twins")
+    diff = np.abs(np.subtract(hist["loss"]["reversible"], hist["loss"]["standard"]))
+    axes[1].semilogy(
+        hist["step"], np.maximum(diff, 1e-12), label="|reversible - standard|"
+    )
+    axes[1].axhline(1e-3, color="gray", ls="--", label="1e-3 requirement")
+    axes[1].set(xlabel="step", ylabel="absolute loss difference")
+    axes[1].set_title("loss curves: difference")
+    for twin, style in zip(TWINS, ("-o", "--s"), strict=True):
+        acc = hist["epoch_test_accuracy"][twin]
+        axes[2].plot(range(1, len(acc) + 1), acc, style, label=twin)
+    axes[2].axhline(0.95, color="gray", ls="--", label="95%")
+    axes[2].set(xlabel="epoch", ylabel="test accuracy")
+    axes[2].set_title("digits: test accuracy")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return common.save_figure(fig, out, "train")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parses flags, trains, writes JSON and plot."""
+    parser = build_parser()
+    args = common.parse_args(parser, argv)
+    if args.epochs is None:
+        args.epochs = 2 if args.tiny else 8 if args.quick else 20
+    if args.units is None:
+        args.units = [1, 1] if args.tiny else [2, 2]
+    results = run(args)
+    config = {**vars(args), **results.pop("config")}
+    common.write_json(args.out, "train", config, results)
+    plot(results, args.out)
+    print(
+        f"[train] test accuracy {results['test_accuracy']}, loss max |diff| "
+        f"{results['loss_max_abs_diff']:.2e}, devices {results['num_devices']}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
