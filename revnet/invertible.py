@@ -297,8 +297,9 @@ class _Analysis:
             if all(outs):
                 return []
             return self._add(_Forward(i), eqn.outvars)
-        if all(outs) or _jaxpr.scan_params(eqn) is not None or any(outs):
-            step = self._solve(i, eqn, ins, outs)
+        if any(outs):
+            # Dropped outputs are not known: a solve may not rely on them.
+            step = self._solve(i, eqn, ins, [self.is_known(v) for v in eqn.outvars])
             if step is not None:
                 done[i] = True
                 self.failures.pop(i, None)
@@ -337,6 +338,14 @@ class _Analysis:
         if scan is not None:
             return self._solve_scan(i, eqn, scan, ins, outs)
         if not all(outs):
+            dropped = any(_jaxpr.is_dropvar(v) for v in eqn.outvars)
+            self._fail(
+                i,
+                eqn,
+                "some of its outputs are unused"
+                if dropped
+                else "its outputs are unknown",
+            )
             return None
         fn = custom_ivjp_of(_jaxpr.custom_vjp_bwd(eqn))
         if fn is not None:
@@ -639,12 +648,7 @@ class _Interpreter:
             return needs
         eqn = eqns[step.eqn]
         unknown = set(step.unknown)
-        outs = [v for v in eqn.outvars if not _jaxpr.is_dropvar(v)]
-        if isinstance(step, _Scan):
-            ncar = step.params.num_carry
-            outs = outs[:ncar] + [
-                v for v, k in zip(eqn.outvars[ncar:], step.known_ys) if k
-            ]
+        outs = [v for v, k in zip(eqn.outvars, self._known_outs(step)) if k]
         return [v for n, v in enumerate(eqn.invars) if n not in unknown] + outs
 
     def _set(self, vars_, vals):
@@ -653,73 +657,66 @@ class _Interpreter:
                 self.env.setdefault(v, val)
 
     def _run(self, step, out_cts):
-        """Runs one step; with ``out_cts`` fused steps also return input cts."""
-        eqns = self.plan.eqns
+        """Runs one step; fused steps given ``out_cts`` also return input cts."""
         if isinstance(step, _Forward):
-            eqn = eqns[step.eqn]
-            ins = [self.read(v) for v in eqn.invars]
-            outs, vjp = _vjp_eqn(eqn, ins)
-            self._set(eqn.outvars, outs)
-            if vjp is not None:
-                self.vjps[step.eqn] = vjp
-            return None
+            return self._run_forward(step)
         if isinstance(step, _Tile):
-            aval = _jaxpr.aval(step.var)
-            acc = jnp.zeros(aval.shape, aval.dtype)
-            for j in step.eqns:
-                eqn = eqns[j]
-                piece = self.read(eqn.outvars[0])
-                acc = lax.dynamic_update_slice(
-                    acc, piece.astype(aval.dtype), eqn.params["start_indices"]
-                )
-            self._set([step.var], [acc])
-            return None
+            return self._run_tile(step)
         if isinstance(step, _Select):
-            sel = eqns[step.eqn]
-            pred, y = self.read(sel.invars[0]), self.read(sel.outvars[0])
-            merged = {v: [] for v in step.vars}
-            for case, chain in step.branches:
-                local = {case: y}
-                for j, rule, u in chain:
-                    e = eqns[j]
-                    outs = [local[o] for o in e.outvars]
-                    ins = [
-                        None if n == u else self.read(v) for n, v in enumerate(e.invars)
-                    ]
-                    avals = [_jaxpr.aval(v) for v in e.invars]
-                    local[e.invars[u]] = rule.solve(
-                        outs, ins, **e.params, _revnet_in_avals=avals
-                    )[u]
-                for v in step.vars:
-                    merged[v].append(local[v])
-            # A case used twice shares one branch.
-            index = {c: k for k, (c, _) in enumerate(step.branches)}
-            for v in step.vars:
-                vals = [merged[v][index[c]] for c in sel.invars[1:]]
-                self._set([v], [lax.select_n(pred, *vals)])
-            return None
-        eqn = eqns[step.eqn]
+            return self._run_select(step)
+        return self._run_solve(step, out_cts)
+
+    def _run_forward(self, step: _Forward):
+        eqn = self.plan.eqns[step.eqn]
+        outs, vjp = _vjp_eqn(eqn, [self.read(v) for v in eqn.invars])
+        self._set(eqn.outvars, outs)
+        if vjp is not None:
+            self.vjps[step.eqn] = vjp
+
+    def _run_tile(self, step: _Tile):
+        aval = _jaxpr.aval(step.var)
+        acc = jnp.zeros(aval.shape, aval.dtype)
+        for j in step.eqns:
+            eqn = self.plan.eqns[j]
+            piece = self.read(eqn.outvars[0]).astype(aval.dtype)
+            acc = lax.dynamic_update_slice(acc, piece, eqn.params["start_indices"])
+        self._set([step.var], [acc])
+
+    def _run_select(self, step: _Select):
+        eqns = self.plan.eqns
+        sel = eqns[step.eqn]
+        pred, y = self.read(sel.invars[0]), self.read(sel.outvars[0])
+        per_case = []  # for each distinct case: {var: value valid where selected}
+        for case, chain in step.branches:
+            local = {case: y}
+            for j, rule, u in chain:
+                e = eqns[j]
+                ins = [None if n == u else self.read(v) for n, v in enumerate(e.invars)]
+                avals = [_jaxpr.aval(v) for v in e.invars]
+                outs = [local[o] for o in e.outvars]
+                solved = rule.solve(outs, ins, **e.params, _revnet_in_avals=avals)
+                local[e.invars[u]] = solved[u]
+            per_case.append(local)
+        index = {c: k for k, (c, _) in enumerate(step.branches)}  # repeated cases
+        for v in step.vars:
+            vals = [per_case[index[c]][v] for c in sel.invars[1:]]
+            self._set([v], [lax.select_n(pred, *vals)])
+
+    def _run_solve(self, step, out_cts):
+        eqn = self.plan.eqns[step.eqn]
         unknown = set(step.unknown)
         mask = [n not in unknown for n in range(len(eqn.invars))]
         known = [self.read(v) if k else None for v, k in zip(eqn.invars, mask)]
         outs = [
-            None
-            if _jaxpr.is_dropvar(v)
-            else self.read(v)
-            if (
-                not isinstance(step, _Scan)
-                or n < step.params.num_carry
-                or step.known_ys[n - step.params.num_carry]
-            )
-            else None
-            for n, v in enumerate(eqn.outvars)
+            self.read(v) if k else None
+            for v, k in zip(eqn.outvars, self._known_outs(step))
         ]
+        cts = None
         if isinstance(step, _Solve):
-            in_avals = [_jaxpr.aval(v) for v in eqn.invars]
-            new = step.rule.solve(outs, known, **eqn.params, _revnet_in_avals=in_avals)
-            self._set(eqn.invars, new)
-            return None
-        if isinstance(step, _Custom):
+            avals = [_jaxpr.aval(v) for v in eqn.invars]
+            ins = step.rule.solve(outs, known, **eqn.params, _revnet_in_avals=avals)
+            ins = [x for x, k in zip(ins, mask) if not k]
+        elif isinstance(step, _Custom):
             ins, cts = _run_custom(step, known, outs, out_cts)
         elif isinstance(step, _Call):
             consts = list(step.body.consts)
@@ -734,8 +731,19 @@ class _Interpreter:
         else:
             ins, cts = _run_scan(step, known, outs, out_cts)
         it = iter(ins)
-        self._set(eqn.invars, [next(it) if not k else None for k in mask])
+        self._set(eqn.invars, [None if k else next(it) for k in mask])
         return cts
+
+    def _known_outs(self, step):
+        """Which of a solved equation's outputs the step reads."""
+        eqn = self.plan.eqns[step.eqn]
+        known = [not _jaxpr.is_dropvar(v) for v in eqn.outvars]
+        if isinstance(step, _Scan):
+            ncar = step.params.num_carry
+            known = known[:ncar] + [
+                k and y for k, y in zip(known[ncar:], step.known_ys)
+            ]
+        return known
 
     # -- cotangents -------------------------------------------------------- #
 
