@@ -338,13 +338,11 @@ class _Analysis:
         if scan is not None:
             return self._solve_scan(i, eqn, scan, ins, outs)
         if not all(outs):
-            dropped = any(_jaxpr.is_dropvar(v) for v in eqn.outvars)
             self._fail(
                 i,
                 eqn,
-                "some of its outputs are unused"
-                if dropped
-                else "its outputs are unknown",
+                "not all of its outputs are known; an output that does not reach "
+                "the function's outputs cannot be used to rebuild its inputs",
             )
             return None
         fn = custom_ivjp_of(_jaxpr.custom_vjp_bwd(eqn))

@@ -250,6 +250,19 @@ def test_unused_input_is_reported():
         revnet.invertible(lambda a, b: a * 2.0)(jnp.ones(2), jnp.ones(2))
 
 
+def test_dropped_output_is_reported():
+    with pytest.raises(revnet.NotInvertibleError, match="`split`.*not all of its"):
+        revnet.invertible(lambda x: jnp.split(x, 2)[0])(jnp.ones(4))
+
+
+def test_scan_with_unused_ys_is_inverted():
+    def f(x):
+        return jax.lax.scan(lambda c, w: (c * 1.5 + w, c), x, jnp.arange(3.0))[0]
+
+    with jax.enable_x64(True):
+        check_against_autodiff(f, _normal(0, (3,)))
+
+
 def test_broadcast_operand_is_not_invertible():
     with pytest.raises(revnet.NotInvertibleError, match="broadcast"):
         revnet.invertible(lambda a: a + jnp.ones((3, 2)))(jnp.ones(2))
