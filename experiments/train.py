@@ -328,6 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "test_size": len(data["x_test"]),
         "history": history,
         "loss_max_abs_diff": float(diff.max()) if diff.size else None,
+        "first_step_over_1e-3": int(np.argmax(diff > 1e-3))
+        if (diff > 1e-3).any()
+        else None,
         "final_loss": {t: float(losses[t][-1]) for t in TWINS if losses[t].size},
         "test_accuracy": {
             t: history["epoch_test_accuracy"][t][-1]
