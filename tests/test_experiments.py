@@ -153,14 +153,20 @@ def test_train_resumes_and_twins_agree(single_device_run):
 def test_train_data_parallel_matches_single_device(single_device_run, tmp_path):
     out, _, single = single_device_run
     flags = "--xla_force_host_platform_device_count=8"
+    # Same schedule as the single-device run; one epoch (the warm-up), after
+    # which the training dynamics amplify float32 noise in either run.
     multi = run_ok(
-        "train", tmp_path, "--epochs", "2", "--save-grads", env={"XLA_FLAGS": flags}
+        "train",
+        tmp_path,
+        *("--epochs", "2", "--stop-after", "1", "--save-grads"),
+        env={"XLA_FLAGS": flags},
     )
     assert multi["num_devices"] == 8 and single["num_devices"] == 1
+    steps = multi["steps_per_epoch"]
     for twin in ("reversible", "standard"):
         np.testing.assert_allclose(
             multi["history"]["loss"][twin],
-            single["history"]["loss"][twin],
+            single["history"]["loss"][twin][:steps],
             rtol=0,
             atol=1e-4,
         )
