@@ -71,15 +71,18 @@ def temp(model, depth, reversible):
     return train_step(model, depth, reversible).memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("model", [sequence, revnet, chain])
-def test_activation_memory_is_flat_in_depth(model):
-    rev = {d: temp(model, d, True) for d in (4, 64)}
-    std = {d: temp(model, d, False) for d in (4, 64)}
+@pytest.mark.parametrize(
+    "model, depths", [(sequence, (4, 64)), (revnet, (4, 64)), (chain, (4, 16))]
+)
+def test_activation_memory_is_flat_in_depth(model, depths):
+    small, large = depths
+    rev = {d: temp(model, d, True) for d in depths}
+    std = {d: temp(model, d, False) for d in depths}
     print(f"{model.__name__}: reversible {rev}, standard {std}")
-    assert rev[64] <= 1.10 * rev[4]
-    # The twin stores activations per block: linear growth.
-    assert std[64] >= 8 * std[4]
-    assert rev[64] * 10 <= std[64]
+    assert rev[large] <= 1.10 * rev[small]
+    # The twin stores activations per block: (at least half-)linear growth.
+    assert std[large] >= (large / small) / 2 * std[small]
+    assert rev[large] * (large / small) / 2 <= std[large]
 
 
 def flop_ratio(model, depth):
