@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--width must be even to split into halves, got {args.width}")
     if args.depths is None:
         args.depths = (
-            [2, 8, 32]
+            [2, 16]
             if args.tiny
-            else [2, 8, 32, 128]
+            else [4, 32, 128]
             if args.quick
             else [2, 8, 32, 128, 512, 1024]
         )
