@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from experiments import common
 from revnet import blocks
 
 MODELS = ("mlp", "revnet", "transformer")
@@ -252,7 +253,9 @@ def build(
     else:
         x, y = example_batch(spec)
         if init is None:
-            init = jax.jit(init_net.init, static_argnums=2)(key, x, True)
+            init = common.init_unoptimised(
+                init_net.init, key, x, True, static_argnums=(2,)
+            )
         params, state = init
 
     if method == "generic":

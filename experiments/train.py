@@ -2,8 +2,20 @@
 
 Both twins start from the same parameters (one ``init``), see the same batches
 in the same order and step with the same optax optimiser; they differ only in
-``reversible``. The script logs both loss curves at every step, their largest
-difference, test accuracy, the step-time ratio (the twins alternate step by
+``reversible``. Three comparisons are logged at every step:
+
+* **lock-step**: the standard twin's loss and gradients evaluated on the
+  reversible twin's current parameters and BatchNorm state (the same inputs),
+  against the reversible twin's own loss and gradients: the direct statement
+  that the reversible backward pass computes what backprop computes;
+* **free-running**: each twin following its own trajectory;
+* **control**: the standard twin against itself started from parameters
+  multiplied by ``1 + 1e-7 * noise`` (float32 rounding size). Free-running
+  twins differ by float32 rounding in every step; if the control drifts apart
+  as far as the free-running twins do, the drift is the training dynamics
+  amplifying rounding noise, not a difference between the twins.
+
+Also reported: test accuracy, the step-time ratio (the twins alternate step by
 step, so they share the machine's drifting load) and each twin's compiled
 training-step memory. Training is data-parallel over all visible devices (a
 ``Mesh`` with one ``data`` axis: the batch is split, parameters replicated), the
@@ -29,6 +41,7 @@ from experiments import common
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 TWINS = ("reversible", "standard")
+CONTROL_EPS = 1e-7  # relative perturbation of the control run's parameters
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--width", type=common.positive_int, default=16, help="first stage width"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="skip the control run (the standard twin from parameters perturbed "
+        "by 1e-7 relative)",
+    )
     parser.add_argument(
         "--fresh",
         action="store_true",
@@ -95,6 +115,7 @@ def load_digits_split(seed: int) -> dict[str, Any]:
 
 def _config_hash(config: dict[str, Any]) -> str:
     keys = ("epochs", "batch", "lr", "units", "width", "seed", "num_devices")
+    keys += ("control",)
     text = json.dumps({k: config[k] for k in keys}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -163,9 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # second moment: parameters whose true gradient is zero, such as conv
     # biases that feed a BatchNorm, would take full-sized steps in the
     # direction of the noise and the twins' curves would drift apart.)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, steps_per_epoch, args.epochs * steps_per_epoch
-    )
+    total_steps = args.epochs * steps_per_epoch
+    warmup = steps_per_epoch if args.epochs > 1 else max(1, steps_per_epoch // 2)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, total_steps)
     optimizer = optax.sgd(schedule, momentum=0.9)
 
     def make_step(net):
@@ -179,18 +200,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 params, state, x, y
             )
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), state, opt_state, loss
+            new_params = optax.apply_updates(params, updates)
+            # The gradients come back too, for the lock-step comparison.
+            return new_params, state, opt_state, loss, grads
 
         def grads_fn(params, state, x, y):
             return jax.grad(loss_fn, has_aux=True)(params, state, x, y)[0]
+
+        def value_and_grads(params, state, x, y):
+            (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, state, x, y
+            )
+            return loss, grads
 
         jitted = jax.jit(
             step,
             donate_argnums=(0, 1, 2),
             in_shardings=(replicated, replicated, replicated, split, split),
-            out_shardings=(replicated, replicated, replicated, replicated),
+            out_shardings=(replicated,) * 5,
         )
-        return jitted, grads_fn
+        # Not donated: evaluates the other twin's parameters, which live on.
+        evaluate = jax.jit(
+            value_and_grads,
+            in_shardings=(replicated, replicated, split, split),
+            out_shardings=(replicated, replicated),
+        )
+        return jitted, grads_fn, evaluate
+
+    @jax.jit
+    def grad_difference(a, b):
+        """``(|a - b| / |b|, max_i |a_i - b_i| / max_i |b_i|)`` over the tree."""
+        diff = jax.tree.map(lambda u, v: u - v, a, b)
+        norm = lambda t: jnp.sqrt(  # noqa: E731
+            sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(t))
+        )
+        amax = lambda t: jnp.max(  # noqa: E731
+            jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in jax.tree.leaves(t)])
+        )
+        return norm(diff) / norm(b), amax(diff) / amax(b)
 
     def make_eval(net):
         @jax.jit
@@ -210,23 +257,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "width": width,
         "seed": args.seed,
         "num_devices": n_dev,
+        "control": args.control,
     }
     config_hash = _config_hash(config)
     ckpt_path = os.path.join(args.out, "train_checkpoint.pkl")
     ckpt = None if args.fresh else _load_checkpoint(ckpt_path, config_hash)
     x0 = jnp.asarray(data["x_train"][: args.batch])
     if ckpt is None:
-        params, state = jax.jit(nets["standard"].init, static_argnums=2)(
-            jax.random.PRNGKey(args.seed), x0, True
+        params, state = common.init_unoptimised(
+            nets["standard"].init,
+            jax.random.PRNGKey(args.seed),
+            x0,
+            True,
+            static_argnums=(2,),
         )
-        opt_state = optimizer.init(params)
+        opt_init = jax.jit(optimizer.init)
+        opt_state = opt_init(params)
         trees = {twin: (params, state, opt_state) for twin in TWINS}
+        if args.control:
+            # Host-side noise (no device compiles): p * (1 + 1e-7 * N(0, 1)),
+            # rounded to float32, i.e. about one float32 ulp per parameter.
+            rng = np.random.RandomState(args.seed + 7919)
+            perturbed = jax.tree.map(
+                lambda a: jnp.asarray(
+                    (
+                        np.asarray(a, np.float64)
+                        * (1 + CONTROL_EPS * rng.standard_normal(a.shape))
+                    ).astype(a.dtype)
+                ),
+                params,
+            )
+            trees["control"] = (perturbed, state, opt_init(perturbed))
         start_epoch = 0
         history: dict[str, Any] = {
             "step": [],
             "loss": {t: [] for t in TWINS},
             "step_time_s": {t: [] for t in TWINS},
             "epoch_test_accuracy": {t: [] for t in TWINS},
+            "lockstep": {"loss_standard": [], "grad_rel_diff": [], "grad_max_diff": []},
+            "control_loss": [],
         }
     else:
         trees = ckpt["trees"]
@@ -240,7 +309,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def accuracy(twin: str) -> float:
         params, state, _ = trees[twin]
-        logits = evals[twin](params, state, jnp.asarray(data["x_test"]))
+        net = "standard" if twin == "control" else twin
+        logits = evals[net](params, state, jnp.asarray(data["x_test"]))
         return float(np.mean(np.argmax(np.asarray(logits), -1) == data["y_test"]))
 
     if args.save_grads and start_epoch == 0:
@@ -259,11 +329,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.replace(buf_path + ".tmp", buf_path)
 
     memory = {}
+    run_step: dict[str, Any] = {}
     for twin in TWINS:
         params, state, opt_state = trees[twin]
         xb = jax.ShapeDtypeStruct((args.batch, 8, 8, 1), jnp.float32, sharding=split)
         yb = jax.ShapeDtypeStruct((args.batch,), jnp.int32, sharding=split)
         compiled = steps[twin][0].lower(params, state, opt_state, xb, yb).compile()
+        run_step[twin] = compiled  # train with what was measured (one compile)
         mem = compiled.memory_analysis()
         memory[twin] = {
             "temp_bytes": float(mem.temp_size_in_bytes),
@@ -283,18 +355,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             idx = order[i * args.batch : (i + 1) * args.batch]
             xb = jax.device_put(jnp.asarray(data["x_train"][idx]), split)
             yb = jax.device_put(jnp.asarray(data["y_train"][idx]), split)
+            # Lock-step: the standard twin on the reversible twin's parameters
+            # and state, before the reversible step consumes (donates) them.
+            params, state, _ = trees["reversible"]
+            lock_loss, lock_grads = steps["standard"][2](params, state, xb, yb)
+            grads = {}
             # Alternate which twin goes first, so neither always runs warm.
             for twin in TWINS if i % 2 == 0 else TWINS[::-1]:
                 start = time.perf_counter()
-                *tree, loss = steps[twin][0](*trees[twin], xb, yb)
+                *tree, loss, grads[twin] = run_step[twin](*trees[twin], xb, yb)
                 loss = float(loss)  # blocks until the step is done
                 history["step_time_s"][twin].append(time.perf_counter() - start)
                 trees[twin] = tuple(tree)
                 history["loss"][twin].append(loss)
+            rel, worst = grad_difference(grads["reversible"], lock_grads)
+            history["lockstep"]["loss_standard"].append(float(lock_loss))
+            history["lockstep"]["grad_rel_diff"].append(float(rel))
+            history["lockstep"]["grad_max_diff"].append(float(worst))
+            if "control" in trees:
+                *tree, loss, _ = run_step["standard"](*trees["control"], xb, yb)
+                trees["control"] = tuple(tree)
+                history["control_loss"].append(float(loss))
             history["step"].append(epoch * steps_per_epoch + i)
             bar.update(1)
         for twin in TWINS:
             history["epoch_test_accuracy"][twin].append(accuracy(twin))
+        if "control" in trees:
+            history.setdefault("control_test_accuracy", []).append(accuracy("control"))
         bar.set_postfix(
             epoch=epoch + 1,
             acc="/".join(f"{history['epoch_test_accuracy'][t][-1]:.3f}" for t in TWINS),
@@ -313,6 +400,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     losses = {t: np.asarray(history["loss"][t]) for t in TWINS}
     diff = np.abs(losses["reversible"] - losses["standard"])
+    lock = history["lockstep"]
+    lock_diff = np.abs(losses["reversible"] - np.asarray(lock["loss_standard"]))
+    control = np.asarray(history["control_loss"])
+    control_diff = np.abs(control - losses["standard"]) if control.size else None
+
+    def first_over(d: Any, threshold: float = 1e-3) -> int | None:
+        if d is None or not (d > threshold).any():
+            return None
+        return int(np.argmax(d > threshold))
+
     # Step times: drop the first epoch's first steps (compilation, warm-up).
     warm = min(5, max(0, len(history["step"]) - 1))
     times = {t: np.asarray(history["step_time_s"][t][warm:]) for t in TWINS}
@@ -327,9 +424,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_size": len(data["x_train"]),
         "test_size": len(data["x_test"]),
         "history": history,
+        # Lock-step (same parameters and state at every step): the must-hold.
+        "lockstep": {
+            "loss_max_abs_diff": float(lock_diff.max()) if lock_diff.size else None,
+            "grad_rel_diff_max": max(lock["grad_rel_diff"], default=None),
+            "grad_max_diff_max": max(lock["grad_max_diff"], default=None),
+            "steps": int(lock_diff.size),
+        },
+        # Free-running twins, each on its own trajectory.
         "loss_max_abs_diff": float(diff.max()) if diff.size else None,
-        "first_step_over_1e-3": int(np.argmax(diff > 1e-3))
-        if (diff > 1e-3).any()
+        "first_step_over_1e-3": first_over(diff),
+        "free_running_first_epoch_max_abs_diff": float(diff[:steps_per_epoch].max())
+        if diff.size
+        else None,
+        # The control: the standard twin against itself, 1e-7 apart at step 0.
+        "control": {
+            "relative_perturbation": CONTROL_EPS,
+            "loss_max_abs_diff": float(control_diff.max())
+            if control_diff is not None
+            else None,
+            "first_step_over_1e-3": first_over(control_diff),
+            "first_epoch_max_abs_diff": float(control_diff[:steps_per_epoch].max())
+            if control_diff is not None
+            else None,
+            "test_accuracy": (history.get("control_test_accuracy") or [None])[-1],
+        }
+        if args.control
         else None,
         "final_loss": {t: float(losses[t][-1]) for t in TWINS if losses[t].size},
         "test_accuracy": {
@@ -376,13 +496,25 @@ def plot(results: dict[str, Any], out: str) -> str:
         axes[0].plot(hist["step"], hist["loss"][twin], style, label=twin)
     axes[0].set(xlabel="step", ylabel="training loss", yscale="log")
     axes[0].set_title("digits: loss of both twins")
-    diff = np.abs(np.subtract(hist["loss"]["reversible"], hist["loss"]["standard"]))
-    axes[1].semilogy(
-        hist["step"], np.maximum(diff, 1e-12), label="|reversible - standard|"
-    )
+    rev = np.asarray(hist["loss"]["reversible"])
+    curves = [
+        ("free-running: |reversible - standard|", hist["loss"]["standard"], "-"),
+        ("lock-step (same parameters)", hist["lockstep"]["loss_standard"], "-"),
+        (
+            "control: |standard - standard(1+1e-7 noise)|",
+            hist.get("control_loss") or [],
+            ":",
+        ),
+    ]
+    for label, other, style in curves:
+        if len(other) != len(rev):
+            continue
+        ref = rev if label[0] != "c" else np.asarray(hist["loss"]["standard"])
+        diff = np.abs(ref - np.asarray(other))
+        axes[1].semilogy(hist["step"], np.maximum(diff, 1e-12), style, label=label)
     axes[1].axhline(1e-3, color="gray", ls="--", label="1e-3 requirement")
     axes[1].set(xlabel="step", ylabel="absolute loss difference")
-    axes[1].set_title("loss curves: difference")
+    axes[1].set_title("loss differences (1e-12 = equal)")
     for twin, style in zip(TWINS, ("-o", "--s"), strict=True):
         acc = hist["epoch_test_accuracy"][twin]
         axes[2].plot(range(1, len(acc) + 1), acc, style, label=twin)
@@ -409,8 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, "train", config, results)
     plot(results, args.out)
     print(
-        f"[train] test accuracy {results['test_accuracy']}, loss max |diff| "
-        f"{results['loss_max_abs_diff']:.2e}, devices {results['num_devices']}",
+        f"[train] test accuracy {results['test_accuracy']}, lock-step loss max "
+        f"|diff| {results['lockstep']['loss_max_abs_diff']:.2e}, free-running "
+        f"{results['loss_max_abs_diff']:.2e}, control "
+        f"{(results['control'] or {}).get('loss_max_abs_diff')}, "
+        f"devices {results['num_devices']}",
         flush=True,
     )
     return 0
