@@ -927,9 +927,17 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         for a, f in zip(const_avals, const_float)
     ]
 
+    # Cotangents of ys that are absent (zero) are made per step inside the body,
+    # never stacked over all steps.
+    has_ct_y = [
+        c is not None and getattr(c, "dtype", None) != jax.dtypes.float0 for c in ct_ys
+    ]
+
     def body(state, per):
         carry, ctc, ctk = state
-        x_t, y_t, cty_t = per
+        x_t, y_t, cty_present = per
+        it = iter(cty_present)
+        cty_t = [next(it) if h else None for h in has_ct_y]
         outs_t = list(carry) + list(y_t)
         cts_t = [
             c if c is not None else _zeros_ct(a)
@@ -960,16 +968,6 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         ]
         return (c, new_ctc, new_ctk), (xn, x_cts)
 
-    ys_avals = [_jaxpr.aval(v) for v in plan.jaxpr.outvars[ncar:]]
-    ct_ys = [
-        c
-        if c is not None
-        else (jnp.zeros((sp.length, *a.shape), a.dtype) if _is_float_aval(a) else None)
-        for c, a in zip(ct_ys, ys_avals)
-    ]
-    ct_ys = [
-        None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in ct_ys
-    ]
     ct_carry = [
         (c if getattr(c, "dtype", None) != jax.dtypes.float0 else None)
         for c in ct_carry
@@ -981,7 +979,7 @@ def _run_scan(step: _Scan, known, outs, out_cts):
     (init, ct_init, ct_k), (xs_new, ct_xs) = lax.scan(
         body,
         (list(final), ct_carry, ct_consts0),
-        (xs_known, ys_known, ct_ys),
+        (xs_known, ys_known, [c for c, h in zip(ct_ys, has_ct_y) if h]),
         length=sp.length,
         reverse=not sp.reverse,
     )
