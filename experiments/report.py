@@ -151,16 +151,36 @@ def memory_section(res: dict[str, Any], out: str) -> str:
             parts.append(_table(["method", "largest depth", "largest batch"], brows))
         rss = [r for r in model.get("rss") or [] if "peak_rss_mib" in r]
         if rss:
-            parts += ["", "Peak RSS of real training steps, one process each:", ""]
+            parts += [
+                "",
+                "Resident memory of real training steps, one process each. The "
+                "process peak is set by imports and XLA compilation (the same "
+                "for every method); the step columns reset the high-water mark "
+                "just before the steps (`/proc/self/clear_refs`) and show what "
+                "the steps themselves add over the resident memory before them "
+                "(compare with the compiled temp memory above).",
+                "",
+            ]
             parts.append(
                 _table(
-                    ["depth", "method", "peak RSS MiB", "increase during steps MiB"],
+                    [
+                        "depth",
+                        "method",
+                        "process peak MiB",
+                        "RSS before steps MiB",
+                        "step peak MiB",
+                        "step increase MiB",
+                        "peak reset worked",
+                    ],
                     [
                         [
                             r["depth"],
                             r["method"],
                             r["peak_rss_mib"],
+                            r.get("rss_before_step_mib"),
+                            r.get("step_peak_rss_mib"),
                             r["step_rss_increase_mib"],
+                            r.get("step_hwm_reset"),
                         ]
                         for r in rss
                     ],

@@ -3,9 +3,16 @@
 Run as ``python -m experiments.step_worker '<spec as JSON>'`` by
 :func:`experiments.common.peak_rss_subprocess`, one process per configuration,
 so that one configuration's allocations cannot inflate another's high-water
-mark. Prints one JSON line: ``peak_rss_mib`` (``ru_maxrss`` at exit),
-``rss_before_step_mib`` (after compiling and allocating parameters and data)
-and ``step_rss_increase_mib`` (what running the steps added to the peak).
+mark. Prints one JSON line: ``peak_rss_mib`` (the whole process's peak,
+dominated by imports and XLA compilation, NOT by the step; ``setup_peak_rss_mib``
+is ``ru_maxrss`` before the steps),
+``rss_before_step_mib`` (resident memory after compiling and allocating
+parameters and data) and ``step_peak_rss_mib``/``step_rss_increase_mib``:
+the high-water mark during the training steps alone and its increase over
+``rss_before_step_mib``. On Linux the high-water mark is reset just before the
+steps (``echo 5 > /proc/self/clear_refs``), so compilation's peak does not
+mask the step's; ``step_hwm_reset`` says whether that worked (if not, the
+step figures are upper bounds set by compilation).
 """
 
 from __future__ import annotations
@@ -19,6 +26,27 @@ def _maxrss_mib() -> float:
     # Linux reports ru_maxrss in KiB (macOS in bytes).
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Resets the peak RSS to the current RSS (Linux >= 4.0); True on success."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def main(argv: list[str]) -> int:
@@ -43,17 +71,24 @@ def main(argv: list[str]) -> int:
     params, state, x, y = built.args
     compiled = step.lower(params, state, x, y).compile()
     jax.block_until_ready((params, state, x, y))
-    before = _maxrss_mib()
+    setup_peak = _maxrss_mib()  # imports + compilation + allocation
+    reset = _reset_hwm()
+    before = _status_mib("VmRSS")
     for _ in range(steps):
         params, state, loss = compiled(params, state, x, y)
     jax.block_until_ready(loss)
-    peak = _maxrss_mib()
+    step_peak = _status_mib("VmHWM") if reset else None
+    if before is None or step_peak is None:  # not Linux: compile-dominated
+        before, step_peak, reset = before or _maxrss_mib(), _maxrss_mib(), False
     print(
         json.dumps(
             {
-                "peak_rss_mib": peak,
+                "peak_rss_mib": max(setup_peak, _maxrss_mib()),
+                "setup_peak_rss_mib": setup_peak,
                 "rss_before_step_mib": before,
-                "step_rss_increase_mib": peak - before,
+                "step_peak_rss_mib": step_peak,
+                "step_rss_increase_mib": step_peak - before,
+                "step_hwm_reset": reset,
                 "steps": steps,
                 "loss": float(loss),
             }
