@@ -272,7 +272,8 @@ def _twin_comparison(res: dict[str, Any]) -> list[str]:
         "parameters and BatchNorm state, on the same batch): largest |loss "
         f"difference| {_fmt(lock.get('loss_max_abs_diff'))} (requirement: "
         "< 1e-3); largest gradient difference "
-        f"{_fmt(lock.get('grad_rel_diff_max'))} relative (global norm), "
+        f"{_fmt(lock.get('grad_rel_diff_max'))} relative (global norm; median "
+        f"over steps {_fmt(lock.get('grad_rel_diff_median'))}), "
         f"{_fmt(lock.get('grad_max_diff_max'))} in max-abs relative to the "
         "largest gradient entry. This is the direct statement that the "
         "reversible backward pass computes backprop's gradients.",

@@ -428,6 +428,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lockstep": {
             "loss_max_abs_diff": float(lock_diff.max()) if lock_diff.size else None,
             "grad_rel_diff_max": max(lock["grad_rel_diff"], default=None),
+            "grad_rel_diff_median": float(np.median(lock["grad_rel_diff"]))
+            if lock["grad_rel_diff"]
+            else None,
             "grad_max_diff_max": max(lock["grad_max_diff"], default=None),
             "steps": int(lock_diff.size),
         },
