@@ -673,12 +673,18 @@ class _Interpreter:
 
     def _run_tile(self, step: _Tile):
         aval = _jaxpr.aval(step.var)
-        acc = jnp.zeros(aval.shape, aval.dtype)
-        for j in step.eqns:
-            eqn = self.plan.eqns[j]
-            piece = self.read(eqn.outvars[0]).astype(aval.dtype)
-            acc = lax.dynamic_update_slice(acc, piece, eqn.params["start_indices"])
-        self._set([step.var], [acc])
+        eqns = [self.plan.eqns[j] for j in step.eqns]
+        axis, order = _partition_axis(eqns, tuple(aval.shape))
+        if axis is not None:  # the common split ``x[..., :h]``, ``x[..., h:]``
+            pieces = [self.read(eqns[n].outvars[0]) for n in order]
+            value = pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
+        else:
+            value = jnp.zeros(aval.shape, aval.dtype)
+            for eqn in eqns:
+                piece = self.read(eqn.outvars[0]).astype(aval.dtype)
+                start = eqn.params["start_indices"]
+                value = lax.dynamic_update_slice(value, piece, start)
+        self._set([step.var], [value])
 
     def _run_select(self, step: _Select):
         eqns = self.plan.eqns
@@ -812,6 +818,35 @@ class _Interpreter:
             for v, k in zip(self.plan.jaxpr.invars, self.plan.known_in)
             if not k
         ]
+
+
+def _partition_axis(eqns, shape):
+    """``(axis, order)`` when the slices split ``shape`` along one axis, in order.
+
+    Returns ``(None, None)`` when they overlap or cut along several axes.
+    """
+    bounds, axes = [], set()
+    for n, eqn in enumerate(eqns):
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        cut = [d for d in range(len(shape)) if (start[d], limit[d]) != (0, shape[d])]
+        if len(cut) > 1:
+            return None, None
+        axes.update(cut)
+        bounds.append((start, limit, n))
+    if len(axes) > 1:
+        return None, None
+    if not axes:
+        return 0, [bounds[0][2]]  # one slice is the whole value
+    (axis,) = axes
+    bounds.sort(key=lambda b: b[0][axis])
+    end = 0
+    for start, limit, _ in bounds:
+        if start[axis] != end:
+            return None, None
+        end = limit[axis]
+    if end != shape[axis]:
+        return None, None
+    return axis, [n for _, _, n in bounds]
 
 
 def _vjp_eqn(eqn, ins):
