@@ -78,7 +78,9 @@ def test_memory_tiny(tmp_path):
     assert by["reversible", top]["flops_ratio"] <= 1.40
     summary = res["summary"]["mlp"]
     assert summary["standard_over_reversible_temp"] >= 10
-    assert set(summary["generic_over_sequence"]) == {"temp", "flops"}
+    # The generic @invertible path costs what the hand-built sequence costs.
+    assert summary["generic_over_sequence"]["temp"] <= 1.05, summary
+    assert summary["generic_over_sequence"]["flops"] <= 1.05, summary
     fits = mlp["budget"]["methods"]
     assert (
         fits["reversible"]["largest_depth"]["largest"]
