@@ -34,7 +34,7 @@ _MASK = np.arange(24).reshape(6, 4) % 3 == 0
 _M = np.eye(6) * 3.0 + np.arange(36.0).reshape(6, 6) / 40.0
 
 RULE_CASES = {
-    "add_sub_neg": lambda x: -(x + 1.5) - jnp.float64(0.5),
+    "add_sub_neg": lambda x: -(x + 1.5) - 0.5,
     "add_known_left": lambda x: 2.0 - x,
     "mul_div": lambda x: (x * 3.0) / 4.0,
     "div_unknown_denominator": lambda x: 2.0 / (jnp.exp(x) + 1.0),
