@@ -241,8 +241,7 @@ def while_loop(
     body_jaxpr, body_consts, _ = _jaxpr.trace(flat_body, leaves)
     nk = len(body_consts)
     carry_avals = _avals(body_jaxpr.invars[nk:])
-    _check_carry(bname, tree, out_tree_box[-1], carry_avals,
-                 _avals(body_jaxpr.outvars))
+    _check_carry(bname, tree, out_tree_box[-1], carry_avals, _avals(body_jaxpr.outvars))
     cond_jaxpr, cond_consts, _ = _jaxpr.trace(flat_cond, leaves)
     pred = _avals(cond_jaxpr.outvars)
     if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
@@ -250,11 +249,11 @@ def while_loop(
             f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
         )
     try:
-        plan = _analyze(body_jaxpr, (True,) * nk + (False,) * len(leaves),
-                        (True,) * len(leaves))
+        plan = _analyze(
+            body_jaxpr, (True,) * nk + (False,) * len(leaves), (True,) * len(leaves)
+        )
     except _Stuck as stuck:
-        raise _error(stuck, _leaf_paths("init_val", init_val), nk,
-                              bname) from None
+        raise _error(stuck, _leaf_paths("init_val", init_val), nk, bname) from None
     run = _make_while(body_jaxpr, cond_jaxpr, plan, nk, bound)
     final = run(list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
@@ -303,11 +302,18 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
             in_cts = _float_or_none(in_cts, k_avals + c_avals)
             return m - 1, prev, in_cts[nk:], _add_cts(ctk, in_cts[:nk])
 
-        state = (n, list(final), _float_or_none(list(cts), c_avals),
-                 _float_or_none([None] * nk, k_avals))
+        state = (
+            n,
+            list(final),
+            _float_or_none(list(cts), c_avals),
+            _float_or_none([None] * nk, k_avals),
+        )
         _, _, ct_init, ct_k = lax.while_loop(go, step, state)
-        return (_fill_cts(ct_k, k_avals), _zero_cts(q_avals),
-                _fill_cts(ct_init, c_avals))
+        return (
+            _fill_cts(ct_k, k_avals),
+            _zero_cts(q_avals),
+            _fill_cts(ct_init, c_avals),
+        )
 
     run.defvjp(fwd, bwd)
     return run
@@ -320,8 +326,10 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
 def _scan_length(xs_leaves: list, length: int | None) -> int:
     lengths = {int(np.shape(x)[0]) for x in xs_leaves if np.ndim(x) > 0}
     if any(np.ndim(x) == 0 for x in xs_leaves):
-        raise ValueError("scan got a scalar in xs; every leaf of xs needs a leading "
-                         "axis to scan over")
+        raise ValueError(
+            "scan got a scalar in xs; every leaf of xs needs a leading "
+            "axis to scan over"
+        )
     if length is not None:
         try:
             length = operator.index(length)
@@ -410,21 +418,32 @@ def scan(
     jaxpr, consts, _ = _jaxpr.trace(flat_f, c_leaves + x_slices)
     nk = len(consts)
     c_out_tree, y_tree = trees[-1]
-    _check_carry(fname, c_tree, c_out_tree, _avals(jaxpr.invars[nk:nk + nc]),
-                 _avals(jaxpr.outvars[:nc]))
+    _check_carry(
+        fname,
+        c_tree,
+        c_out_tree,
+        _avals(jaxpr.invars[nk : nk + nc]),
+        _avals(jaxpr.outvars[:nc]),
+    )
     nx = len(x_leaves)
     try:
-        plan = _analyze(jaxpr, (True,) * nk + (False,) * nc + (True,) * nx,
-                        (True,) * len(jaxpr.outvars))
+        plan = _analyze(
+            jaxpr,
+            (True,) * nk + (False,) * nc + (True,) * nx,
+            (True,) * len(jaxpr.outvars),
+        )
     except _Stuck as stuck:
         raise _error(stuck, _leaf_paths("init", init), nk, fname) from None
     params = _jaxpr.ScanParams(_jaxpr.Body(jaxpr, ()), nk, nc, n, bool(reverse))
-    step = _Scan(-1, (), params, plan, (True,) * nx,
-                 (True,) * (len(jaxpr.outvars) - nc))
+    step = _Scan(
+        -1, (), params, plan, (True,) * nx, (True,) * (len(jaxpr.outvars) - nc)
+    )
     run = _make_scan(step)
     final, ys = run(list(consts), c_leaves, x_leaves)
-    return (jax.tree_util.tree_unflatten(c_tree, final),
-            jax.tree_util.tree_unflatten(y_tree, ys))
+    return (
+        jax.tree_util.tree_unflatten(c_tree, final),
+        jax.tree_util.tree_unflatten(y_tree, ys),
+    )
 
 
 def _make_scan(step: _Scan):
@@ -433,16 +452,17 @@ def _make_scan(step: _Scan):
     nk, nc = sp.num_consts, sp.num_carry
     invars = sp.body.jaxpr.invars
     k_avals = _avals(invars[:nk])
-    c_avals = _avals(invars[nk:nk + nc])
-    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc:])]
+    c_avals = _avals(invars[nk : nk + nc])
+    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc :])]
 
     def forward(consts, init, xs):
         def body(c, x):
             out = _jaxpr.eval_body(sp.body, *consts, *c, *x)
             return out[:nc], out[nc:]
 
-        return lax.scan(body, list(init), list(xs), length=sp.length,
-                        reverse=sp.reverse)
+        return lax.scan(
+            body, list(init), list(xs), length=sp.length, reverse=sp.reverse
+        )
 
     @jax.custom_vjp
     def run(consts, init, xs):
@@ -456,10 +476,11 @@ def _make_scan(step: _Scan):
         consts, xs, final, ys = res
         ct_final, ct_ys = cts
         known = list(consts) + [None] * nc + list(xs)
-        _, in_cts = _run_scan(step, known, list(final) + list(ys),
-                              list(ct_final) + list(ct_ys))
+        _, in_cts = _run_scan(
+            step, known, list(final) + list(ys), list(ct_final) + list(ct_ys)
+        )
         in_cts = _fill_cts(in_cts, k_avals + c_avals + x_avals)
-        return in_cts[:nk], in_cts[nk:nk + nc], in_cts[nk + nc:]
+        return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
     run.defvjp(fwd, bwd)
     return run

@@ -45,8 +45,10 @@ def _params(seed, d, dtype):
 
 def _inputs(seed, batch, d, dtype):
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 1000))
-    return (jax.random.normal(k1, (batch, d)).astype(dtype),
-            jax.random.normal(k2, (batch, d)).astype(dtype))
+    return (
+        jax.random.normal(k1, (batch, d)).astype(dtype),
+        jax.random.normal(k2, (batch, d)).astype(dtype),
+    )
 
 
 def _step(p, x1, x2):
@@ -62,8 +64,7 @@ def _readout(x1, x2):
 
 def _loss_scan_ref(p, x1, x2, n):
     """The reference: ``lax.scan`` over the known number of steps."""
-    (y1, y2), _ = lax.scan(lambda c, _: (_step(p, *c), None), (x1, x2), None,
-                           length=n)
+    (y1, y2), _ = lax.scan(lambda c, _: (_step(p, *c), None), (x1, x2), None, length=n)
     return _readout(y1, y2)
 
 
@@ -114,8 +115,9 @@ def _while_loss_to(p, x1, x2, n):
 
 
 _while_vg = jax.jit(jax.value_and_grad(_while_loss_to, argnums=(0, 1, 2)))
-_ref_vg = jax.jit(jax.value_and_grad(_loss_scan_ref, argnums=(0, 1, 2)),
-                  static_argnums=3)
+_ref_vg = jax.jit(
+    jax.value_and_grad(_loss_scan_ref, argnums=(0, 1, 2)), static_argnums=3
+)
 
 
 @_FEW
@@ -146,9 +148,11 @@ def test_while_data_dependent_stopping(dtype):
         def cond(c):
             return jnp.sum(c[0] ** 2) < 60.0
 
-        (val, n), grads = jax.jit(jax.value_and_grad(
-            lambda *a: _loss_while(*a, cond), argnums=(0, 1, 2), has_aux=True
-        ))(p, x1, x2)
+        (val, n), grads = jax.jit(
+            jax.value_and_grad(
+                lambda *a: _loss_while(*a, cond), argnums=(0, 1, 2), has_aux=True
+            )
+        )(p, x1, x2)
         # The trip count, from an independent loop over NumPy values.
         step = jax.jit(_step)
         y1, y2, m = x1, x2, 0
@@ -163,12 +167,14 @@ def test_while_data_dependent_stopping(dtype):
 def test_while_max_steps_bounds_the_loop():
     p = _params(0, 3, jnp.float32)
     x1, x2 = _inputs(0, 1, 3, jnp.float32)
-    loss = jax.jit(lambda p, x1, x2: _loss_while(p, x1, x2, lambda c: True,
-                                                 max_steps=7))
+    loss = jax.jit(
+        lambda p, x1, x2: _loss_while(p, x1, x2, lambda c: True, max_steps=7)
+    )
     (_, n), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, x1, x2)
     assert int(n) == 7
-    _assert_tree_close(g, jax.grad(_loss_scan_ref, argnums=(0, 1, 2))(p, x1, x2, 7),
-                       1e-5)
+    _assert_tree_close(
+        g, jax.grad(_loss_scan_ref, argnums=(0, 1, 2))(p, x1, x2, 7), 1e-5
+    )
     # max_steps=0 is the identity, with an identity gradient.
     (_, n0), g0 = jax.value_and_grad(
         lambda x: _loss_while(p, x, x2, lambda c: True, max_steps=0), has_aux=True
@@ -188,16 +194,20 @@ def test_while_vmap_per_element_trip_counts(dtype):
         tols = jnp.linspace(8.0, 30.0, 6, dtype=dtype)  # batched cond constant
 
         def loss(p, x1, x2, tol):
-            return _loss_while(p, x1, x2, lambda c: jnp.sum(c[0] ** 2) < tol,
-                               max_steps=500)
+            return _loss_while(
+                p, x1, x2, lambda c: jnp.sum(c[0] ** 2) < tol, max_steps=500
+            )
 
         grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
         g, ns = jax.jit(jax.vmap(grad, (None, 0, 0, 0)))(p, x1, x2, tols)
         ns = [int(n) for n in ns]
         assert len(set(ns)) >= 3, ns
         # grad of a batched sum: the weights' gradient sums over elements.
-        g_sum = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(loss, (None, 0, 0, 0))(
-            p, x1, x2, tols)[0])))(p)
+        g_sum = jax.jit(
+            jax.grad(
+                lambda p: jnp.sum(jax.vmap(loss, (None, 0, 0, 0))(p, x1, x2, tols)[0])
+            )
+        )(p)
         alone = jax.jit(loss)
         want_sum = jax.tree_util.tree_map(jnp.zeros_like, p)
         for e, n in enumerate(ns):
@@ -222,8 +232,7 @@ def test_while_jit_equals_eager_and_values_equal_lax():
         def body(c):
             return (*_step(p, c[0], c[1]), c[2] + 1)
 
-        return lax.while_loop(lambda c: jnp.sum(c[0] ** 2) < 40.0, body,
-                              (x1, x2, 0))
+        return lax.while_loop(lambda c: jnp.sum(c[0] ** 2) < 40.0, body, (x1, x2, 0))
 
     eager = run(p, x1, x2)
     jitted = jax.jit(run)(p, x1, x2)
@@ -231,8 +240,11 @@ def test_while_jit_equals_eager_and_values_equal_lax():
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
     loss = lambda *a: _readout(*run(*a)[:2])  # noqa: E731
-    _assert_tree_close(jax.grad(loss, argnums=(0, 1, 2))(p, x1, x2),
-                       jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x1, x2), 1e-6)
+    _assert_tree_close(
+        jax.grad(loss, argnums=(0, 1, 2))(p, x1, x2),
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x1, x2),
+        1e-6,
+    )
 
 
 def test_while_pytree_carry_with_integer_and_float_time():
@@ -251,9 +263,9 @@ def test_while_pytree_carry_with_integer_and_float_time():
     out = run(x1, x2, jnp.int32(5))
     n = int(out["i"]) - 5
     assert n == int(np.ceil(2.0 / 0.3)) and out["i"].dtype == jnp.int32
-    g1, g2, gi = jax.grad(lambda *a: _readout(*run(*a)["x"]), argnums=(0, 1, 2),
-                         allow_int=True)(
-        x1, x2, jnp.int32(5))
+    g1, g2, gi = jax.grad(
+        lambda *a: _readout(*run(*a)["x"]), argnums=(0, 1, 2), allow_int=True
+    )(x1, x2, jnp.int32(5))
     assert gi.dtype == jax.dtypes.float0
     want = jax.grad(_loss_scan_ref, argnums=(1, 2))(p, x1, x2, n)
     _assert_tree_close((g1, g2), want, 1e-5)
@@ -281,23 +293,25 @@ def test_while_gradient_of_closed_over_step_size_and_haiku_params():
         def body(c):
             return (*step(params, c[0], c[1]), c[2] + 1)
 
-        y1, y2, n = while_loop(lambda c: jnp.max(jnp.abs(c[1])) < 3.0, body,
-                               (x1, x2, 0), max_steps=1000)
+        y1, y2, n = while_loop(
+            lambda c: jnp.max(jnp.abs(c[1])) < 3.0, body, (x1, x2, 0), max_steps=1000
+        )
         return _readout(y1, y2), n
 
     params = (pf, pg, jnp.float32(0.25))
     (_, n), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        params, x1, x2)
+        params, x1, x2
+    )
     n = int(n)
     assert 2 < n < 1000
 
     def ref(params, x1, x2):
-        (y1, y2), _ = lax.scan(lambda c, _: (step(params, *c), None), (x1, x2),
-                               None, length=n)
+        (y1, y2), _ = lax.scan(
+            lambda c, _: (step(params, *c), None), (x1, x2), None, length=n
+        )
         return _readout(y1, y2)
 
-    _assert_tree_close(grads, jax.grad(ref, argnums=(0, 1, 2))(params, x1, x2),
-                       1e-5)
+    _assert_tree_close(grads, jax.grad(ref, argnums=(0, 1, 2))(params, x1, x2), 1e-5)
 
 
 def test_while_closes_over_keys_ints_and_batched_step_sizes():
@@ -321,8 +335,9 @@ def test_while_closes_over_keys_ints_and_batched_step_sizes():
         return _readout(y1, y2)
 
     def ref(p, dt, x1, x2):
-        (y1, y2), _ = lax.scan(lambda c, _: (step(p, dt, *c), None), (x1, x2),
-                               None, length=5)
+        (y1, y2), _ = lax.scan(
+            lambda c, _: (step(p, dt, *c), None), (x1, x2), None, length=5
+        )
         return _readout(y1, y2)
 
     dts = jnp.array([0.1, 0.2, 0.3])
@@ -337,8 +352,9 @@ def test_while_closes_over_keys_ints_and_batched_step_sizes():
 
 
 def _compiled_grad(loss, *args):
-    return jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(
-        *args).compile()
+    return (
+        jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
+    )
 
 
 def _memory_setup():
@@ -348,8 +364,9 @@ def _memory_setup():
 
 
 def _while_loss(bound, stop):
-    return lambda p, x1, x2: _loss_while(p, x1, x2, lambda c: c[2] < stop,
-                                         max_steps=bound)[0]
+    return lambda p, x1, x2: _loss_while(
+        p, x1, x2, lambda c: c[2] < stop, max_steps=bound
+    )[0]
 
 
 def test_while_memory_is_flat_in_steps_while_lax_scan_grows():
@@ -359,8 +376,9 @@ def test_while_memory_is_flat_in_steps_while_lax_scan_grows():
         return _compiled_grad(loss, p, x1, x2).memory_analysis().temp_size_in_bytes
 
     ours = {n: temp(_while_loss(n, n)) for n in (8, 1024)}
-    ref = {n: temp(lambda p, x1, x2, n=n: _loss_scan_ref(p, x1, x2, n))
-           for n in (8, 1024)}
+    ref = {
+        n: temp(lambda p, x1, x2, n=n: _loss_scan_ref(p, x1, x2, n)) for n in (8, 1024)
+    }
     assert ours[1024] <= 1.1 * ours[8], ours
     # lax.scan stores each step's carry and activations: it grows ~linearly.
     assert ref[1024] >= 50 * ref[8], ref
@@ -403,19 +421,22 @@ def test_while_backward_runs_exactly_the_steps_taken():
         def body(c):
             return (*_step(p, c[0], c[1]), c[2] + 1, c[3])
 
-        y1, y2, _, _ = while_loop(lambda c: c[2] < c[3], body, (x1, x2[0], 0, stop),
-                                  max_steps=1024)
+        y1, y2, _, _ = while_loop(
+            lambda c: c[2] < c[3], body, (x1, x2[0], 0, stop), max_steps=1024
+        )
         return _readout(y1, y2)
 
     with _record_backward_steps() as seen:
         gv = jax.jit(jax.vmap(jax.grad(loss_v, argnums=1), (None, 0, 0)))(
-            p, x1[:1].repeat(3, 0), stops)
+            p, x1[:1].repeat(3, 0), stops
+        )
         jax.block_until_ready(gv)
     counts = np.asarray([np.asarray(m) for m in seen]).reshape(-1)
     # the callback sees every lane at every iteration: 5 iterations x 3 lanes.
     assert counts.size == 15
     assert sorted(counts[counts > 0].tolist()) == sorted(
-        [k for s in (2, 5, 3) for k in range(1, s + 1)])
+        [k for s in (2, 5, 3) for k in range(1, s + 1)]
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -467,8 +488,10 @@ def test_scan_matches_lax_scan(d, length, reverse, f64, seed):
         p = _params(seed, d, dtype)
         x1, x2 = _inputs(seed, 2, d, dtype)
         k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 7))
-        xs = {"b": (0.2 * jax.random.normal(k1, (length, d))).astype(dtype),
-              "h": (0.3 + 0.1 * jax.random.normal(k2, (length,))).astype(dtype)}
+        xs = {
+            "b": (0.2 * jax.random.normal(k1, (length, d))).astype(dtype),
+            "h": (0.3 + 0.1 * jax.random.normal(k2, (length,))).astype(dtype),
+        }
         got = _scan_vg(p, x1, x2, xs, reverse)
         want = _lax_scan_vg(p, x1, x2, xs, reverse)
         _assert_tree_close(got, want, RTOL[dtype])
@@ -486,15 +509,17 @@ def test_scan_length_without_xs_integer_carry_and_vmap():
         (y1, y2, i), ys = scan_fn(f, (x1, x2, 1), None, length=6)
         return _readout(y1, y2), (i, ys)
 
-    (_, (i, ys)), g = jax.value_and_grad(lambda *a: loss(scan, *a), (0, 1),
-                                         has_aux=True)(x1, x2)
+    (_, (i, ys)), g = jax.value_and_grad(
+        lambda *a: loss(scan, *a), (0, 1), has_aux=True
+    )(x1, x2)
     assert int(i) == 13
     np.testing.assert_array_equal(ys, np.arange(1, 13, 2))
     want = jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1))(x1, x2)
     _assert_tree_close(g, want, 1e-5)
     gv = jax.vmap(jax.grad(lambda *a: loss(scan, *a)[0], (0, 1)))(x1, x2)
-    _assert_tree_close(gv, jax.vmap(jax.grad(lambda *a: loss(lax.scan, *a)[0],
-                                             (0, 1)))(x1, x2), 1e-5)
+    _assert_tree_close(
+        gv, jax.vmap(jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1)))(x1, x2), 1e-5
+    )
 
 
 def test_scan_memory_is_flat_in_length():
@@ -502,8 +527,9 @@ def test_scan_memory_is_flat_in_length():
 
     def temp(scan_fn, n):
         def loss(p, x1, x2):
-            (y1, y2), _ = scan_fn(lambda c, _: (_step(p, *c), None), (x1, x2), None,
-                                  length=n)
+            (y1, y2), _ = scan_fn(
+                lambda c, _: (_step(p, *c), None), (x1, x2), None, length=n
+            )
             return _readout(y1, y2)
 
         return _compiled_grad(loss, p, x1, x2).memory_analysis().temp_size_in_bytes
@@ -530,20 +556,27 @@ def test_non_invertible_body_raises_naming_the_equation():
     # No gradient is ever produced for them: the error comes at trace time.
     with pytest.raises(NotInvertibleError):
         jax.grad(lambda x: jnp.sum(while_loop(lambda c: c[1] < 3, body, (x, 0))[0]))(
-            jnp.ones(3))
+            jnp.ones(3)
+        )
 
 
-@pytest.mark.parametrize("bad,exc", [(-1, ValueError), (2.5, TypeError),
-                                     (3.0, TypeError), ("3", TypeError),
-                                     (True, TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (-1, ValueError),
+        (2.5, TypeError),
+        (3.0, TypeError),
+        ("3", TypeError),
+        (True, TypeError),
+    ],
+)
 def test_bad_max_steps(bad, exc):
     with pytest.raises(exc, match="max_steps"):
         while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, max_steps=bad)
 
 
 def test_while_max_steps_accepts_numpy_integers():
-    out = while_loop(lambda c: c < 100.0, lambda c: c + 1.0, 0.0,
-                     max_steps=np.int64(4))
+    out = while_loop(lambda c: c < 100.0, lambda c: c + 1.0, 0.0, max_steps=np.int64(4))
     assert float(out) == 4.0
 
 
@@ -551,8 +584,7 @@ def test_type_errors():
     with pytest.raises(TypeError, match="boolean scalar"):
         while_loop(lambda c: c, lambda c: c + 1.0, jnp.ones(2))
     with pytest.raises(TypeError, match="same shapes and dtypes"):
-        while_loop(lambda c: True, lambda c: (c + 1.0).astype(jnp.float16),
-                   jnp.ones(2))
+        while_loop(lambda c: True, lambda c: (c + 1.0).astype(jnp.float16), jnp.ones(2))
     with pytest.raises(TypeError, match="same structure"):
         while_loop(lambda c: True, lambda c: (c, c), jnp.ones(2))
     with pytest.raises(ValueError, match="inconsistent lengths"):
@@ -561,5 +593,8 @@ def test_type_errors():
         scan(lambda c, x: (c + 1.0, None), jnp.ones(2), None)
     # Forward mode is not available for a custom VJP; JAX says so.
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(lambda x: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, x),
-                (1.0,), (1.0,))
+        jax.jvp(
+            lambda x: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, x),
+            (1.0,),
+            (1.0,),
+        )
