@@ -569,6 +569,27 @@ def _zeros_ct(aval_or_val):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
+def _fill_cts(cts: list, avals: list) -> list:
+    """Cotangents as a custom VJP must return them: zeros for None, float0 for ints."""
+    return [
+        c if c is not None and _is_float_aval(a) else _zeros_ct(a)
+        for c, a in zip(cts, avals)
+    ]
+
+
+def _float_or_none(cts: list, avals: list) -> list:
+    """Cotangents for the loop state: zeros for None, None for non-float values."""
+    out = []
+    for c, a in zip(cts, avals):
+        if not _is_float_aval(a):
+            out.append(None)
+        elif c is None or getattr(c, "dtype", None) == jax.dtypes.float0:
+            out.append(jnp.zeros(a.shape, a.dtype))
+        else:
+            out.append(c)
+    return out
+
+
 def _add_ct(a, b):
     if a is None:
         return b
@@ -924,7 +945,6 @@ def _run_scan(step: _Scan, known, outs, out_cts):
     plan = step.plan
     body_invars = plan.jaxpr.invars[len(body_consts) :]
     carry_avals = [_jaxpr.aval(v) for v in body_invars[nc : nc + ncar]]
-    carry_float = [_is_float_aval(a) for a in carry_avals]
     const_avals = [_jaxpr.aval(v) for v in body_invars[:nc]]
     const_float = [_is_float_aval(a) for a in const_avals]
 
@@ -955,7 +975,7 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         )
         return list(init) + list(xs_new), None
 
-    ct_carry = [c if f else None for c, f in zip(out_cts[:ncar], carry_float)]
+    ct_carry = list(out_cts[:ncar])
     ct_ys = list(out_cts[ncar:])
     ct_consts0 = [
         jnp.zeros(a.shape, a.dtype) if f else None
@@ -992,25 +1012,13 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         new_ctk = [
             _add_ct(a, b) if f else None for a, b, f in zip(ctk, k_cts, const_float)
         ]
-        new_ctc = [
-            (cc if cc is not None else _zeros_ct(a)) if f else None
-            for cc, a, f in zip(c_cts, carry_avals, carry_float)
-        ]
-        x_avals = [_jaxpr.aval(v) for v in body_invars[nc + ncar :]]
-        x_cts = [
-            (xc if xc is not None else _zeros_ct(a)) if _is_float_aval(a) else None
-            for xc, a in zip(x_cts, x_avals)
-        ]
+        new_ctc = _float_or_none(c_cts, carry_avals)
+        x_cts = _float_or_none(
+            x_cts, [_jaxpr.aval(v) for v in body_invars[nc + ncar :]]
+        )
         return (c, new_ctc, new_ctk), (xn, x_cts)
 
-    ct_carry = [
-        (c if getattr(c, "dtype", None) != jax.dtypes.float0 else None)
-        for c in ct_carry
-    ]
-    ct_carry = [
-        (c if c is not None else _zeros_ct(a)) if f else None
-        for c, a, f in zip(ct_carry, carry_avals, carry_float)
-    ]
+    ct_carry = _float_or_none(ct_carry, carry_avals)
     (init, ct_init, ct_k), (xs_new, ct_xs) = lax.scan(
         body,
         (list(final), ct_carry, ct_consts0),
@@ -1095,11 +1103,7 @@ def _make_vjp_fun(jaxpr, plan: Plan, n_consts: int):
         ]
         _, in_cts = interp.backward(cts, need_values=False)
         in_avals = [_jaxpr.aval(v) for v in jaxpr.invars]
-        full = [c if c is not None else _zeros_ct(a) for c, a in zip(in_cts, in_avals)]
-        full = [
-            c if _is_float_aval(a) else np.zeros(a.shape, jax.dtypes.float0)
-            for c, a in zip(full, in_avals)
-        ]
+        full = _fill_cts(in_cts, in_avals)
         return full[:n_consts], full[n_consts:]
 
     run.defvjp(fwd, bwd)

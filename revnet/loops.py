@@ -53,7 +53,8 @@ from revnet import _jaxpr
 from revnet.invertible import (
     _analyze,
     _error,
-    _is_float_aval,
+    _fill_cts,
+    _float_or_none,
     _run_plan,
     _run_scan,
     _Scan,
@@ -114,27 +115,6 @@ def _check_carry(
 def _zero_cts(avals: list) -> list:
     """Zero cotangents, ``float0`` for the integer (or key) ones."""
     return [_zeros_ct(a) for a in avals]
-
-
-def _fill_cts(cts: list, avals: list) -> list:
-    """Cotangents as a custom VJP must return them: zeros for None, float0 for ints."""
-    return [
-        c if c is not None and _is_float_aval(a) else _zeros_ct(a)
-        for c, a in zip(cts, avals)
-    ]
-
-
-def _float_or_none(cts: list, avals: list) -> list:
-    """Cotangents for the loop state: zeros for None, None for non-float values."""
-    out = []
-    for c, a in zip(cts, avals):
-        if not _is_float_aval(a):
-            out.append(None)
-        elif c is None or getattr(c, "dtype", None) == jax.dtypes.float0:
-            out.append(jnp.zeros(a.shape, a.dtype))
-        else:
-            out.append(c)
-    return out
 
 
 def _add_cts(acc: list, new: list) -> list:
