@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 
 try:  # jax >= 0.4.36
@@ -98,7 +99,12 @@ def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Jaxpr, list, An
     open_jaxpr = jaxpr.replace(
         constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars)
     )
-    return inline_jits(open_jaxpr), consts, out_tree
+    return _prepare(open_jaxpr), consts, out_tree
+
+
+def _prepare(jaxpr: Jaxpr) -> Jaxpr:
+    """Inlines jits, names dropped scan outputs and merges duplicate equations."""
+    return cse(_name_scan_outputs(inline_jits(jaxpr)))
 
 
 _JIT_NAMES = ("jit", "pjit")
@@ -138,16 +144,199 @@ def inline_jits(jaxpr: Jaxpr) -> Jaxpr:
             return env[a]
 
         for ie in inner.eqns:
+            # Equations of library code (``jnp.sort``) carry only library frames:
+            # they are attributed to the user's call of the inlined function.
+            info = ie.source_info if where(ie) else e.source_info
             eqns.append(
                 ie.replace(
                     invars=[rename(a) for a in ie.invars],
                     outvars=[rename(a) for a in ie.outvars],
+                    source_info=info,
                 )
             )
         for ov, bo in zip(e.outvars, inner.outvars):
             if not is_dropvar(ov):
                 sub[ov] = rename(bo)
     return jaxpr.replace(eqns=eqns, outvars=[outer(a) for a in jaxpr.outvars])
+
+
+def _name_scan_outputs(jaxpr: Jaxpr) -> Jaxpr:
+    """Gives dropped outputs of ``scan`` equations a variable.
+
+    ``fori_loop`` drops its final counter; naming it lets the analysis compute
+    it forward and then run the loop backwards from it.
+    """
+    if not any(
+        e.primitive.name == "scan" and any(is_dropvar(v) for v in e.outvars)
+        for e in jaxpr.eqns
+    ):
+        return jaxpr
+    eqns = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            outs = [Var(v.aval) if is_dropvar(v) else v for v in e.outvars]
+            e = e.replace(outvars=outs)
+        eqns.append(e)
+    return jaxpr.replace(eqns=eqns)
+
+
+def cse(jaxpr: Jaxpr) -> Jaxpr:
+    """Merges equations that compute the same thing from the same inputs.
+
+    ``x[:, 2:]`` written twice is two ``slice`` equations; once merged, knowing
+    one output means knowing the other. Equations with effects, and those
+    whose params cannot be compared, are kept as they are.
+    """
+    seen: dict = {}
+    sub: dict = {}
+    eqns = []
+
+    def outer(a):
+        return a if isinstance(a, Literal) else sub.get(a, a)
+
+    for e in jaxpr.eqns:
+        e = e.replace(invars=[outer(a) for a in e.invars])
+        key = _eqn_key(e)
+        hit = seen.get(key) if key is not None else None
+        if hit is not None:
+            for ov, hv in zip(e.outvars, hit.outvars):
+                if not is_dropvar(ov):
+                    sub[ov] = hv
+            continue
+        if key is not None and not any(is_dropvar(v) for v in e.outvars):
+            seen[key] = e
+        eqns.append(e)
+    if not sub:
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, outvars=[outer(a) for a in jaxpr.outvars])
+
+
+def _eqn_key(e: JaxprEqn) -> Any:
+    if e.effects:
+        return None
+    try:
+        params = tuple(sorted(e.params.items()))
+        ins = tuple(
+            ("lit", _literal_key(a)) if isinstance(a, Literal) else a for a in e.invars
+        )
+        key = (e.primitive.name, ins, params)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _literal_key(lit: Any) -> Any:
+    val = np.asarray(lit.val)
+    return (str(val.dtype), val.shape, val.tobytes())
+
+
+def restrict(jaxpr: Jaxpr, out_idx: Sequence[int]) -> tuple[Jaxpr, list[int]]:
+    """The part of ``jaxpr`` that computes the outputs ``out_idx``.
+
+    Returns:
+      ``(sub, in_idx)``: ``sub`` has the inputs ``in_idx`` of ``jaxpr`` (the
+      ones those outputs depend on, in order) and the outputs ``out_idx``.
+    """
+    outs = [jaxpr.outvars[i] for i in out_idx]
+    need = {v for v in outs if not isinstance(v, Literal)}
+    kept = []
+    for e in reversed(jaxpr.eqns):
+        if any(v in need for v in e.outvars if not is_dropvar(v)):
+            kept.append(e)
+            need.update(a for a in e.invars if not isinstance(a, Literal))
+    in_idx = [n for n, v in enumerate(jaxpr.invars) if v in need]
+    sub = jaxpr.replace(
+        invars=[jaxpr.invars[n] for n in in_idx],
+        outvars=outs,
+        eqns=list(reversed(kept)),
+        effects=jaxpr.effects,
+    )
+    return sub, in_idx
+
+
+# --------------------------------------------------------------------------- #
+# Fingerprints: cache keys that cover everything that determines a program.
+
+
+class _Opaque:
+    """A token standing for an object compared by identity (kept alive)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Opaque) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def fingerprint(jaxpr: Jaxpr) -> Any:
+    """A hashable key equal for two jaxprs only if they compute the same thing.
+
+    Structure, shapes, dtypes, literal values and params are compared by value;
+    nested jaxprs recursively, with their constants by identity; anything else
+    in a param (a ``custom_vjp``'s backward function, a ``custom_jvp`` rule) by
+    identity. The key holds references to those objects, so that an identity
+    cannot be reused while the key is alive.
+    """
+    names: dict = {}
+
+    def var(a):
+        if isinstance(a, Literal):
+            return ("lit", _literal_key(a))
+        if is_dropvar(a):
+            return ("drop", _aval_key(a.aval))
+        if a not in names:
+            names[a] = len(names)
+        return names[a]
+
+    def value(p):
+        if isinstance(p, (Jaxpr, jex_core.ClosedJaxpr)):
+            inner, consts = (
+                (p.jaxpr, tuple(p.consts))
+                if isinstance(p, jex_core.ClosedJaxpr) and not isinstance(p, Jaxpr)
+                else (p, ())
+            )
+            return ("jaxpr", fingerprint(inner), tuple(_Opaque(c) for c in consts))
+        if isinstance(p, (tuple, list)):
+            return (type(p).__name__, tuple(value(q) for q in p))
+        if isinstance(p, dict):
+            return ("dict", tuple((k, value(q)) for k, q in sorted(p.items())))
+        if isinstance(p, (str, int, float, bool, complex, type(None), np.dtype)):
+            return p
+        try:
+            hash(p)
+        except TypeError:
+            return _Opaque(p)
+        if callable(p) or hasattr(p, "f"):
+            return _Opaque(p)
+        return p
+
+    eqns = tuple(
+        (
+            e.primitive.name,
+            tuple(var(a) for a in e.invars),
+            tuple(var(a) for a in e.outvars),
+            tuple((k, value(q)) for k, q in sorted(e.params.items())),
+        )
+        for e in jaxpr.eqns
+    )
+    head = tuple((var(v), _aval_key(v.aval)) for v in jaxpr.invars)
+    return (
+        head,
+        tuple(_aval_key(v.aval) for v in jaxpr.invars),
+        eqns,
+        tuple(var(v) for v in jaxpr.outvars),
+        tuple(_aval_key(v.aval) for v in jaxpr.outvars),
+    )
+
+
+def _aval_key(a: Any) -> Any:
+    return (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
 
 
 def _closed_consts(j: Any) -> tuple:
@@ -182,7 +371,7 @@ def _make_body(j: Any) -> Body:
         inner = inner.replace(
             constvars=[], invars=list(inner.constvars) + list(inner.invars)
         )
-    return Body(inline_jits(inner), consts)
+    return Body(_prepare(inner), consts)
 
 
 def call_body(eqn: JaxprEqn) -> Body | None:
@@ -217,6 +406,21 @@ def custom_vjp_bwd(eqn: JaxprEqn) -> Any:
     return getattr(bwd, "f", bwd)
 
 
+def custom_rule_kind(eqn: JaxprEqn) -> str | None:
+    """``"vjp"``/``"jvp"`` for calls with a user derivative rule, else None.
+
+    revnet's own loops are ``custom_vjp`` functions whose rule is exactly the
+    VJP of their body; they return ``"loop:scan"`` or ``"loop:while_loop"``.
+    """
+    name = eqn.primitive.name
+    if name in _CUSTOM_VJP_NAMES:
+        loop = getattr(custom_vjp_bwd(eqn), "_revnet_loop", None)
+        return f"loop:{loop}" if loop else "vjp"
+    if name == "custom_jvp_call":
+        return "jvp"
+    return None
+
+
 def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
     return int(eqn.params.get("num_consts", 0))
 
@@ -228,6 +432,7 @@ class ScanParams:
     num_carry: int
     length: int
     reverse: bool
+    unroll: int | bool = 1
 
 
 def scan_params(eqn: JaxprEqn) -> ScanParams | None:
@@ -241,6 +446,7 @@ def scan_params(eqn: JaxprEqn) -> ScanParams | None:
         num_carry=int(p["num_carry"]),
         length=int(p["length"]),
         reverse=bool(p["reverse"]),
+        unroll=p.get("unroll", 1),
     )
 
 

@@ -38,6 +38,7 @@ To add an inverse rule for a primitive use :func:`revnet.register_inverse`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet import _jaxpr
+from revnet import _checks, _jaxpr
 from revnet.ivjp import (
     InverseRule,
     NotInvertibleError,
@@ -89,10 +90,32 @@ class _Custom:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
+    """A nested call solved by its body's plan.
+
+    With ``custom`` (a ``custom_vjp``/``custom_jvp`` function) the body only
+    rebuilds the inputs; cotangents come from the call's own rule.
+    """
+
     eqn: int
     unknown: tuple[int, ...]
     body: _jaxpr.Body
     plan: Plan
+    custom: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanAux:
+    """Final values of scan carries that are computed forward.
+
+    A carry whose initial value is known and whose update depends only on
+    itself, the constants and known ``xs`` (``fori_loop``'s counter) is run
+    forward by a reduced scan, so that the scan can then be run backwards.
+    """
+
+    eqn: int
+    carry: tuple[int, ...]
+    sub: Any
+    in_idx: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +151,7 @@ class _Select:
     branches: tuple[tuple[Any, tuple[tuple[int, InverseRule, int], ...]], ...]
 
 
-_Step = _Forward | _Solve | _Custom | _Call | _Scan | _Tile | _Select
+_Step = _Forward | _Solve | _Custom | _Call | _Scan | _Tile | _Select | _ScanAux
 
 # Primitives that map each element to the element at the same position, so that
 # a select_n's cases can be inverted position by position.
@@ -226,6 +249,32 @@ class _Analysis:
         self.steps: list = []
         self.producer: dict = {}
         self.failures: dict[int, _Failure] = {}
+        # Values computed from literals only, known at trace time.
+        self.static: dict = {}
+
+    def static_value(self, v):
+        if _jaxpr.is_literal(v):
+            return _jaxpr.literal_value(v)
+        return self.static.get(v)
+
+    def _fold(self, eqn):
+        """Evaluates an equation of literals and static values at trace time."""
+        vals = [self.static_value(v) for v in eqn.invars]
+        if any(x is None for x in vals) or eqn.effects:
+            return
+        if _jaxpr.call_body(eqn) is not None or _jaxpr.scan_params(eqn) is not None:
+            return
+        size = sum(int(np.prod(_jaxpr.aval(v).shape)) for v in eqn.outvars)
+        if size > _STATIC_MAX_SIZE:
+            return
+        try:
+            with jax.ensure_compile_time_eval():
+                outs = _jaxpr.bind(eqn, *vals)
+        except Exception:  # not foldable: leave it to run time
+            return
+        for v, o in zip(eqn.outvars, outs):
+            if not _jaxpr.is_dropvar(v) and not isinstance(o, jax.core.Tracer):
+                self.static[v] = o
 
     def is_known(self, v) -> bool:
         return _jaxpr.is_literal(v) or v in self.known
@@ -296,7 +345,13 @@ class _Analysis:
             self.failures.pop(i, None)
             if all(outs):
                 return []
+            self._fold(eqn)
             return self._add(_Forward(i), eqn.outvars)
+        sp = _jaxpr.scan_params(eqn)
+        if sp is not None and not all(outs[: sp.num_carry]):
+            aux = self._try_scan_aux(i, eqn, sp, ins, outs)
+            if aux is not None:
+                return self._add(aux, [eqn.outvars[k] for k in aux.carry])
         if any(outs):
             # Dropped outputs are not known: a solve may not rely on them.
             step = self._solve(i, eqn, ins, [self.is_known(v) for v in eqn.outvars])
@@ -337,7 +392,19 @@ class _Analysis:
         scan = _jaxpr.scan_params(eqn)
         if scan is not None:
             return self._solve_scan(i, eqn, scan, ins, outs)
-        if not all(outs):
+        kind = _jaxpr.custom_rule_kind(eqn)
+        if kind == "loop:while_loop":
+            self._fail(
+                i,
+                eqn,
+                "revnet.while_loop cannot be run backwards here: its trip count is "
+                "not one of its outputs; call it outside @invertible (it already "
+                "rebuilds its carry), or use revnet.scan with a fixed length",
+            )
+            return None
+        fn = custom_ivjp_of(_jaxpr.custom_vjp_bwd(eqn))
+        body = _jaxpr.call_body(eqn)
+        if not all(outs) and (fn is not None or body is None):
             self._fail(
                 i,
                 eqn,
@@ -345,18 +412,17 @@ class _Analysis:
                 "the function's outputs cannot be used to rebuild its inputs",
             )
             return None
-        fn = custom_ivjp_of(_jaxpr.custom_vjp_bwd(eqn))
         if fn is not None:
             return self._solve_custom(i, eqn, fn, ins)
-        body = _jaxpr.call_body(eqn)
         if body is not None:
-            return self._solve_call(i, eqn, body, ins, outs, unknown)
+            custom = kind in ("vjp", "jvp")
+            return self._solve_call(i, eqn, body, ins, outs, unknown, custom)
         rule = get_rule(name)
         if rule is None:
             self._fail(i, eqn, f"`{name}` has no inverse rule")
             return None
         try:
-            _abstract_solve(rule, eqn, ins)
+            _abstract_solve(rule, eqn, ins, self.static_value)
         except NotInvertibleError as e:
             self._fail(i, eqn, str(e))
             return None
@@ -398,14 +464,27 @@ class _Analysis:
         unknown = tuple(range(nk, len(ins)))
         return _Custom(i, unknown, fn, nh, n_const_leaves, in_tree, out_tree)
 
-    def _solve_call(self, i, eqn, body, ins, outs, unknown):
+    def _solve_call(self, i, eqn, body, ins, outs, unknown, custom):
         nb = len(body.consts)
         try:
             plan = _analyze(body.jaxpr, (True,) * nb + tuple(ins), tuple(outs))
         except _Stuck as stuck:
             self._fail(i, eqn, "its body is not invertible", stuck.failure)
             return None
-        return _Call(i, unknown, body, plan)
+        return _Call(i, unknown, body, plan, custom)
+
+    def _try_scan_aux(self, i, eqn, sp, ins, outs):
+        nc, ncar = sp.num_consts, sp.num_carry
+        carry = tuple(k for k in range(ncar) if not outs[k])
+        if not all(ins[nc + k] for k in carry) or not all(ins[:nc]):
+            return None
+        nb = len(sp.body.consts)
+        sub, in_idx = _jaxpr.restrict(sp.body.jaxpr, carry)
+        allowed = set(range(nb + nc)) | {nb + nc + k for k in carry}
+        allowed |= {nb + nc + ncar + n for n, k in enumerate(ins[nc + ncar :]) if k}
+        if not set(in_idx) <= allowed:
+            return None
+        return _ScanAux(i, carry, sub, tuple(in_idx))
 
     def _solve_scan(self, i, eqn, sp, ins, outs):
         nc, ncar = sp.num_consts, sp.num_carry
@@ -485,7 +564,10 @@ class _Analysis:
                 rule = get_rule(_jaxpr.primitive_name(e))
                 try:
                     _abstract_solve(
-                        rule, e, [n != unk[0] for n in range(len(e.invars))]
+                        rule,
+                        e,
+                        [n != unk[0] for n in range(len(e.invars))],
+                        self.static_value,
                     )
                 except NotInvertibleError:
                     continue
@@ -512,9 +594,20 @@ class _Analysis:
         return self.failures[min(self.failures)]
 
 
-def _abstract_solve(rule: InverseRule, eqn, ins):
-    """Runs ``rule`` on abstract values to check that it applies."""
+_STATIC_MAX_SIZE = 1 << 20
+
+
+def _abstract_solve(rule: InverseRule, eqn, ins, static_value=lambda v: None):
+    """Runs ``rule`` on abstract values to check that it applies.
+
+    Known inputs whose value is fixed at trace time (literals, and values
+    computed from literals only) are passed to the rule's ``check`` so that it
+    can refuse, for example, a multiplication by a constant zero.
+    """
     in_avals = [_jaxpr.aval(v) for v in eqn.invars]
+    if rule.check is not None:
+        statics = [static_value(v) if k else None for v, k in zip(eqn.invars, ins)]
+        rule.check(statics, **eqn.params, _revnet_in_avals=in_avals)
 
     def go(outs, known):
         it = iter(known)
@@ -539,7 +632,32 @@ def _abstract_solve(rule: InverseRule, eqn, ins):
                 )
 
 
-_PLAN_CACHE: dict = {}
+class _LRU:
+    """A small bounded mapping; the least recently used entry goes first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.data: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        hit = self.data.get(key)
+        if hit is not None:
+            self.data.move_to_end(key)
+        return hit
+
+    def put(self, key, value):
+        self.data[key] = value
+        self.data.move_to_end(key)
+        while len(self.data) > self.size:
+            self.data.popitem(last=False)
+
+    def __len__(self):
+        return len(self.data)
+
+
+# Plans of nested bodies, keyed by the jaxpr's identity (the entry keeps the
+# jaxpr alive, so the identity cannot be reused while it is cached).
+_PLAN_CACHE = _LRU(512)
 
 
 def _analyze(jaxpr, known_in, known_out) -> Plan:
@@ -552,9 +670,9 @@ def _analyze(jaxpr, known_in, known_out) -> Plan:
     try:
         plan = _Analysis(jaxpr, known_in, known_out).run(known_in, known_out)
     except _Stuck as stuck:
-        _PLAN_CACHE[key] = (jaxpr, stuck)
+        _PLAN_CACHE.put(key, (jaxpr, stuck))
         raise
-    _PLAN_CACHE[key] = (jaxpr, plan)
+    _PLAN_CACHE.put(key, (jaxpr, plan))
     return plan
 
 
@@ -658,6 +776,8 @@ class _Interpreter:
             return eqns[step.eqn].invars
         if isinstance(step, _Tile):
             return [v for j in step.eqns for v in eqns[j].outvars]
+        if isinstance(step, _ScanAux):
+            return _scan_aux_inputs(step, eqns[step.eqn])
         if isinstance(step, _Select):
             sel = eqns[step.eqn]
             needs = [sel.invars[0], *sel.outvars]
@@ -683,7 +803,38 @@ class _Interpreter:
             return self._run_tile(step)
         if isinstance(step, _Select):
             return self._run_select(step)
+        if isinstance(step, _ScanAux):
+            return self._run_scan_aux(step)
         return self._run_solve(step, out_cts)
+
+    def _run_scan_aux(self, step: _ScanAux):
+        eqn = self.plan.eqns[step.eqn]
+        sp = _jaxpr.scan_params(eqn)
+        nb, nc, ncar = len(sp.body.consts), sp.num_consts, sp.num_carry
+        # Body input n is outer value n (body consts, then the equation's inputs).
+        fixed = [n for n in step.in_idx if n < nb + nc]
+        carry_in = [nb + nc + k for k in step.carry]
+        xs_in = [n for n in step.in_idx if n >= nb + nc + ncar]
+        outer = {
+            n: sp.body.consts[n] if n < nb else self.read(eqn.invars[n - nb])
+            for n in (*fixed, *carry_in, *xs_in)
+        }
+        body = _jaxpr.Body(step.sub, ())
+
+        def f(c, x):
+            env = dict(zip(fixed, [outer[n] for n in fixed]))
+            env.update(zip(carry_in, c))
+            env.update(zip(xs_in, x))
+            return _jaxpr.eval_body(body, *[env[n] for n in step.in_idx]), None
+
+        final, _ = lax.scan(
+            f,
+            [outer[n] for n in carry_in],
+            [outer[n] for n in xs_in],
+            length=sp.length,
+            reverse=sp.reverse,
+        )
+        self._set([eqn.outvars[k] for k in step.carry], final)
 
     def _run_forward(self, step: _Forward):
         eqn = self.plan.eqns[step.eqn]
@@ -711,6 +862,10 @@ class _Interpreter:
         eqns = self.plan.eqns
         sel = eqns[step.eqn]
         pred, y = self.read(sel.invars[0]), self.read(sel.outvars[0])
+
+        def index_of_case(case, sel):  # the first predicate value picking ``case``
+            return [n for n, c in enumerate(sel.invars[1:]) if c is case][0]
+
         per_case = []  # for each distinct case: {var: value valid where selected}
         for case, chain in step.branches:
             local = {case: y}
@@ -721,6 +876,11 @@ class _Interpreter:
                 outs = [local[o] for o in e.outvars]
                 solved = rule.solve(outs, ins, **e.params, _revnet_in_avals=avals)
                 local[e.invars[u]] = solved[u]
+                _checks.record(
+                    [jnp.where(pred == index_of_case(case, sel), solved[u], 0)],
+                    [y, *[x for x in ins if x is not None]],
+                    _degenerate(e),
+                )
             per_case.append(local)
         index = {c: k for k, (c, _) in enumerate(step.branches)}  # repeated cases
         for v in step.vars:
@@ -741,18 +901,26 @@ class _Interpreter:
             avals = [_jaxpr.aval(v) for v in eqn.invars]
             ins = step.rule.solve(outs, known, **eqn.params, _revnet_in_avals=avals)
             ins = [x for x, k in zip(ins, mask) if not k]
+            _checks.record(ins, [*outs, *known], _degenerate(eqn))
         elif isinstance(step, _Custom):
             ins, cts = _run_custom(step, known, outs, out_cts)
+            _checks.record(ins, [*outs, *known], _degenerate(eqn))
         elif isinstance(step, _Call):
             consts = list(step.body.consts)
             ins, cts = _run_plan(
                 step.plan,
                 consts + [k for k, m in zip(known, mask) if m],
                 [o for o, k in zip(outs, step.plan.known_out) if k],
-                out_cts,
+                None if step.custom else out_cts,
             )
             if cts is not None:
                 cts = cts[len(consts) :]
+            elif step.custom and out_cts is not None:
+                # The user's derivative rule, at the rebuilt inputs.
+                it = iter(ins)
+                full = [x if m else next(it) for x, m in zip(known, mask)]
+                _, vjp = _vjp_eqn(eqn, full)
+                cts = vjp(out_cts) if vjp is not None else [None] * len(full)
         else:
             ins, cts = _run_scan(step, known, outs, out_cts)
         it = iter(ins)
@@ -763,6 +931,8 @@ class _Interpreter:
         """Which of a solved equation's outputs the step reads."""
         eqn = self.plan.eqns[step.eqn]
         known = [not _jaxpr.is_dropvar(v) for v in eqn.outvars]
+        if isinstance(step, _Call):
+            return list(step.plan.known_out)
         if isinstance(step, _Scan):
             ncar = step.params.num_carry
             known = known[:ncar] + [
@@ -781,7 +951,7 @@ class _Interpreter:
                 ct[v] = _add_ct(ct.get(v), c)
         step_of_eqn = {}
         for s, step in enumerate(self.plan.steps):
-            if not isinstance(step, (_Forward, _Tile)):
+            if not isinstance(step, (_Forward, _Tile, _ScanAux)):
                 step_of_eqn[step.eqn] = s
         for i in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[i]
@@ -839,6 +1009,27 @@ class _Interpreter:
             for v, k in zip(self.plan.jaxpr.invars, self.plan.known_in)
             if not k
         ]
+
+
+def _degenerate(eqn) -> str:
+    where = _jaxpr.where(eqn)
+    at = f" at {where}" if where else ""
+    return (
+        f"the inverse of `{_jaxpr.primitive_name(eqn)}`{at} gave a non-finite value "
+        "from finite values (a zero factor, a singular matrix, a saturated "
+        "tanh/logistic, a dropout mask on the stream): these values cannot be "
+        "rebuilt; use ordinary backprop for this part"
+    )
+
+
+def _scan_aux_inputs(step: _ScanAux, eqn):
+    """The equation inputs a :class:`_ScanAux` step reads."""
+    sp = _jaxpr.scan_params(eqn)
+    nb = len(sp.body.consts)
+    carry = [sp.num_consts + k for k in step.carry]
+    return [eqn.invars[n - nb] for n in step.in_idx if n >= nb] + [
+        eqn.invars[n] for n in carry
+    ]
 
 
 def _partition_axis(eqns, shape):
@@ -953,26 +1144,32 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         xs_new = in_vals[ncar:]
         return carry, xs_new
 
+    checking = _checks.enabled()
+    messages: list[str] = []
     if out_cts is None:
 
-        def body(carry, per):
+        def body(state, per):
+            carry, bad = state
             x_t, y_t = per
-            vals, _ = _run_plan(
-                plan,
-                body_consts + list(consts) + list(x_t),
-                list(carry) + list(y_t),
-                None,
-            )
+            with _checks.scope() as sc:
+                vals, _ = _run_plan(
+                    plan,
+                    body_consts + list(consts) + list(x_t),
+                    list(carry) + list(y_t),
+                    None,
+                )
             c, xn = split_in(vals)
-            return c, xn
+            return (c, _checks.merge(bad, sc, messages)), xn
 
-        init, xs_new = lax.scan(
+        (init, bad), xs_new = lax.scan(
             body,
-            list(final),
+            (list(final), jnp.int32(-1) if checking else None),
             (xs_known, ys_known),
             length=sp.length,
             reverse=not sp.reverse,
+            unroll=sp.unroll,
         )
+        _checks.record_index(bad, messages)
         return list(init) + list(xs_new), None
 
     ct_carry = list(out_cts[:ncar])
@@ -989,7 +1186,7 @@ def _run_scan(step: _Scan, known, outs, out_cts):
     ]
 
     def body(state, per):
-        carry, ctc, ctk = state
+        carry, ctc, ctk, bad = state
         x_t, y_t, cty_present = per
         it = iter(cty_present)
         cty_t = [next(it) if h else None for h in has_ct_y]
@@ -1001,9 +1198,11 @@ def _run_scan(step: _Scan, known, outs, out_cts):
                 [*carry_avals, *[_jaxpr.aval(v) for v in plan.jaxpr.outvars[ncar:]]],
             )
         ]
-        vals, in_cts = _run_plan(
-            plan, body_consts + list(consts) + list(x_t), outs_t, cts_t
-        )
+        with _checks.scope() as sc:
+            vals, in_cts = _run_plan(
+                plan, body_consts + list(consts) + list(x_t), outs_t, cts_t
+            )
+        bad = _checks.merge(bad, sc, messages)
         c, xn = split_in(vals)
         in_cts = in_cts[len(body_consts) :]
         k_cts = in_cts[:nc]
@@ -1016,16 +1215,18 @@ def _run_scan(step: _Scan, known, outs, out_cts):
         x_cts = _float_or_none(
             x_cts, [_jaxpr.aval(v) for v in body_invars[nc + ncar :]]
         )
-        return (c, new_ctc, new_ctk), (xn, x_cts)
+        return (c, new_ctc, new_ctk, bad), (xn, x_cts)
 
     ct_carry = _float_or_none(ct_carry, carry_avals)
-    (init, ct_init, ct_k), (xs_new, ct_xs) = lax.scan(
+    (init, ct_init, ct_k, bad), (xs_new, ct_xs) = lax.scan(
         body,
-        (list(final), ct_carry, ct_consts0),
+        (list(final), ct_carry, ct_consts0, jnp.int32(-1) if checking else None),
         (xs_known, ys_known, [c for c, h in zip(ct_ys, has_ct_y) if h]),
         length=sp.length,
         reverse=not sp.reverse,
+        unroll=sp.unroll,
     )
+    _checks.record_index(bad, messages)
     in_cts = list(ct_k) + list(ct_init) + list(ct_xs)
     return list(init) + list(xs_new), in_cts
 
@@ -1101,7 +1302,9 @@ def _make_vjp_fun(jaxpr, plan: Plan, n_consts: int):
         cts = [
             None if getattr(c, "dtype", None) == jax.dtypes.float0 else c for c in cts
         ]
-        _, in_cts = interp.backward(cts, need_values=False)
+        with _checks.scope() as sc:
+            _, in_cts = interp.backward(cts, need_values=False)
+        _checks.raise_if_failed(sc)
         in_avals = [_jaxpr.aval(v) for v in jaxpr.invars]
         full = _fill_cts(in_cts, in_avals)
         return full[:n_consts], full[n_consts:]
@@ -1110,10 +1313,15 @@ def _make_vjp_fun(jaxpr, plan: Plan, n_consts: int):
     return run
 
 
+_CACHE_SIZE = 64
+
+
 class _Invertible:
     def __init__(self, fun: Callable[..., Any]):
         self.fun = fun
-        self._cache: dict = {}
+        # Keyed by the program's fingerprint: everything that determines the
+        # result, custom rules and nested constants by identity.
+        self._cache = _LRU(_CACHE_SIZE)
         functools.update_wrapper(self, fun)
 
     def _compile(self, args, flat_args, in_tree):
@@ -1123,11 +1331,7 @@ class _Invertible:
             return self.fun(*jax.tree_util.tree_unflatten(in_tree, flat))
 
         jaxpr, consts, out_tree = _jaxpr.trace(flat_fun, flat_args)
-        key = (
-            in_tree,
-            str(jaxpr),
-            tuple((tuple(np.shape(c)), str(jnp.result_type(c))) for c in consts),
-        )
+        key = (in_tree, out_tree, _jaxpr.fingerprint(jaxpr))
         hit = self._cache.get(key)
         if hit is not None:
             return hit, consts
@@ -1141,7 +1345,7 @@ class _Invertible:
         compiled = _Compiled(
             jaxpr, plan, n_consts, out_tree, _make_vjp_fun(jaxpr, plan, n_consts)
         )
-        self._cache[key] = compiled
+        self._cache.put(key, compiled)
         return compiled, consts
 
     def __call__(self, *args):
@@ -1256,7 +1460,18 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
                 f"inverse of {fname}: expected outputs with structure {out_tree}, got "
                 f"{tree}"
             )
-        values = _Interpreter(plan, list(consts), flat_out).values()
+        for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars)):
+            want = _jaxpr.aval(v)
+            got = (tuple(np.shape(o)), jnp.result_type(o))
+            if got[0] != tuple(want.shape) or got[1] != want.dtype:
+                raise TypeError(
+                    f"inverse of {fname}: output {n} should be "
+                    f"{want.dtype}{list(want.shape)} as {fname} returns, got "
+                    f"{got[1]}{list(got[0])}"
+                )
+        with _checks.scope() as sc:
+            values = _Interpreter(plan, list(consts), flat_out).values()
+        _checks.raise_if_failed(sc)
         return tuple(jax.tree_util.tree_unflatten(in_tree, values))
 
     return inv

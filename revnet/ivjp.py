@@ -67,10 +67,17 @@ class InverseRule:
       solve: ``solve(outs, ins, **params) -> ins`` (see the module docstring).
       vjp: optional fused cotangent rule ``vjp(ins, outs, out_cts, **params) ->
         in_cts``; when absent the equation's own VJP is used.
+      check: optional trace-time check ``check(statics, **params)``, called by
+        the analysis only; ``statics`` holds the concrete value of each known
+        input that is fixed at trace time (a literal, or computed from
+        literals), ``None`` for the others. It raises
+        :class:`NotInvertibleError` when such a value makes the equation lose
+        information (a multiplication by a constant zero).
     """
 
     solve: InverseRuleFn
     vjp: Callable[..., Sequence[Any]] | None = None
+    check: Callable[..., None] | None = None
 
 
 _RULES: dict[str, InverseRule] = {}
@@ -88,7 +95,9 @@ def _primitive_name(primitive: Any) -> str:
     return name
 
 
-def register_inverse(primitive: Any, rule: InverseRuleFn) -> None:
+def register_inverse(
+    primitive: Any, rule: InverseRuleFn, check: Callable[..., None] | None = None
+) -> None:
     """Registers (or replaces) the inverse rule of ``primitive``.
 
     Args:
@@ -96,6 +105,9 @@ def register_inverse(primitive: Any, rule: InverseRuleFn) -> None:
         name (``"exp"``).
       rule: ``rule(outs, ins, **params) -> ins``; ``ins`` holds ``None`` for the
         unknown inputs. Raise :class:`NotInvertibleError` when it cannot solve.
+      check: optional ``check(statics, **params)``, run at trace time with the
+        known inputs whose values are fixed then (``None`` for the others);
+        raise :class:`NotInvertibleError` when those values lose information.
 
     Raises:
       TypeError: if ``primitive`` is neither a primitive nor a name, or ``rule``
@@ -103,7 +115,9 @@ def register_inverse(primitive: Any, rule: InverseRuleFn) -> None:
     """
     if not callable(rule):
         raise TypeError(f"register_inverse expects a callable rule, got {rule!r}")
-    _RULES[_primitive_name(primitive)] = InverseRule(rule)
+    if check is not None and not callable(check):
+        raise TypeError(f"register_inverse expects a callable check, got {check!r}")
+    _RULES[_primitive_name(primitive)] = InverseRule(rule, check=check)
 
 
 def get_rule(name: str) -> InverseRule | None:
@@ -183,15 +197,35 @@ def _neg(outs, ins, **params):
     return [-outs[0]]
 
 
-for _name, _fn in [
-    ("add", _add),
-    ("add_any", _add),
-    ("sub", _sub),
-    ("neg", _neg),
-    ("mul", _mul),
-    ("div", _div),
+def _has_zero(x: Any) -> bool:
+    return x is not None and bool(np.any(np.asarray(x) == 0))
+
+
+def _check_mul(statics, **params):
+    for k in statics:
+        if _has_zero(k):
+            raise NotInvertibleError(
+                "multiplication by a constant zero loses the other operand"
+            )
+
+
+def _check_div(statics, **params):
+    num, den = statics
+    if _has_zero(den):
+        raise NotInvertibleError("division by a constant zero loses the numerator")
+    if _has_zero(num):
+        raise NotInvertibleError("a constant zero divided by a value loses the value")
+
+
+for _name, _fn, _check in [
+    ("add", _add, None),
+    ("add_any", _add, None),
+    ("sub", _sub, None),
+    ("neg", _neg, None),
+    ("mul", _mul, _check_mul),
+    ("div", _div, _check_div),
 ]:
-    register_inverse(_name, _fn)
+    register_inverse(_name, _fn, _check)
 
 
 # --------------------------------------------------------------------------- #
@@ -246,6 +280,23 @@ def _integer_pow(outs, ins, *, y, **params):
 register_inverse("integer_pow", _integer_pow)
 
 
+def _is_widening(src: Any, dst: Any) -> bool:
+    """Whether every value of float dtype ``src`` is exactly a value of ``dst``."""
+    if np.dtype(src) == np.dtype(dst):
+        return True
+    if jnp.issubdtype(src, jnp.complexfloating) != jnp.issubdtype(
+        dst, jnp.complexfloating
+    ):
+        return False
+    a, b = jnp.finfo(src), jnp.finfo(dst)
+    return (
+        b.nmant >= a.nmant
+        and b.maxexp >= a.maxexp
+        and b.minexp <= a.minexp
+        and b.nexp >= a.nexp
+    )
+
+
 def _convert_element_type(outs, ins, *, new_dtype, **params):
     a = _in_aval(params, 0)
     if not (
@@ -254,6 +305,11 @@ def _convert_element_type(outs, ins, *, new_dtype, **params):
         raise NotInvertibleError(
             f"conversion from {a.dtype} to {np.dtype(new_dtype)} is invertible only "
             "between floating types"
+        )
+    if not _is_widening(a.dtype, new_dtype):
+        raise NotInvertibleError(
+            f"conversion from {a.dtype} to {np.dtype(new_dtype)} rounds values "
+            "(narrowing); only widening conversions can be undone"
         )
     return [lax.convert_element_type(outs[0], a.dtype)]
 
@@ -373,7 +429,12 @@ def _dot_general(outs, ins, *, dimension_numbers, **params):
     n = m.shape[0]
     cx = (lc if i == 0 else rc)[0]
     cm = (rc if i == 0 else lc)[0]
-    mat = m.astype(y.dtype) if m.dtype != y.dtype else m
+    if n == 0 or 0 in y.shape:  # nothing to solve for
+        return _with(ins, i, jnp.zeros(x_aval.shape, x_aval.dtype))
+    # Solve in at least float32 (LAPACK has no half-precision solvers).
+    solve_dtype = jnp.promote_types(y.dtype, jnp.float32)
+    y = y.astype(solve_dtype)
+    mat = m.astype(solve_dtype)
     # Bring the product to the form  Y[..., j] = sum_k X[..., k] A[k, j].
     a = mat if cm == 0 else mat.T
     if i == 0:  # y dims: x free dims..., m free dim
@@ -388,7 +449,19 @@ def _dot_general(outs, ins, *, dimension_numbers, **params):
     return _with(ins, i, jnp.moveaxis(x_moved, -1, cx))
 
 
-register_inverse("dot_general", _dot_general)
+def _check_dot_general(statics, **params):
+    for m in statics:
+        if m is None:
+            continue
+        m = np.asarray(m, np.float64)
+        if m.ndim == 2 and m.shape[0] == m.shape[1] and m.size:
+            if np.linalg.matrix_rank(m) < m.shape[0]:
+                raise NotInvertibleError(
+                    "the constant matrix of dot_general is singular"
+                )
+
+
+register_inverse("dot_general", _dot_general, _check_dot_general)
 
 
 # --------------------------------------------------------------------------- #

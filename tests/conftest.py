@@ -18,3 +18,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("REVNET_HYPOTHESIS_PROFILE", "ci"))
+
+# Run-time reconstruction checks (revnet/_checks.py) are on for the whole suite.
+os.environ.setdefault("REVNET_RUNTIME_CHECKS", "1")
