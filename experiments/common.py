@@ -19,11 +19,14 @@ Every experiment script measures through these functions so that the numbers in
 
 The small command-line helper gives every script the same ``--out``/``--quick``
 flags and turns bad flags into a one-line error with a non-zero exit.
+
+Checkpoints live in :mod:`experiments.checkpoint`.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -33,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 MIB = 2**20
 
@@ -63,6 +66,30 @@ def positive_float(text: str) -> float:
     return value
 
 
+def even_int(text: str) -> int:
+    """Argparse type: a positive even integer (a width split into two halves)."""
+    value = positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an even width (the coupling splits it into two halves), "
+            f"got {value}"
+        )
+    return value
+
+
+def seed_int(text: str) -> int:
+    """Argparse type: a random seed, an integer in ``[0, 2**31 - 1]``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(
+            f"expected a seed in [0, 2147483647], got {value}"
+        )
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """Argparse type: a comma-separated list of positive integers."""
     values = [positive_int(part) for part in text.split(",") if part.strip()]
@@ -87,6 +114,19 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are ONE line on stderr, exit status 2.
+
+    Argparse prints the (multi-line) usage before the error; here the error
+    line names the flag, the value and what is expected, and ``--help`` has
+    the usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Prints ``prog: error: message`` and exits with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """Returns a parser with the flags every experiment shares.
 
@@ -94,7 +134,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
       prog: Program name shown in usage lines (``python -m experiments.NAME``).
       description: One-paragraph description for ``--help``.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description)
     parser.add_argument(
         "--out", default="results", help="output folder (default: results)"
     )
@@ -134,8 +174,20 @@ def parse_args(
 # ----------------------------------------------------------------- output files
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` atomically (temporary file, then rename)."""
+def atomic_write_bytes(path: str, data: bytes, previous: str | None = None) -> None:
+    """Writes ``data`` to ``path`` atomically (temporary file, then rename).
+
+    The data is written to a temporary file in the same folder and flushed to
+    disk (``fsync``) before it replaces ``path``; the folder is synced after
+    the rename. A process killed at any point leaves either the old or the
+    new file at ``path``, never a partial one.
+
+    Args:
+      path: The file to write.
+      data: Its new contents.
+      previous: If given and ``path`` exists, the old file is first renamed to
+        ``previous`` (replacing it), once the new data is safely on disk.
+    """
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(
         dir=folder, prefix=".tmp-", suffix=os.path.basename(path)
@@ -146,11 +198,28 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
+        if previous is not None and os.path.exists(path):
+            os.replace(path, previous)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Makes renames in ``folder`` durable (best effort: not every OS can)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def machine_info() -> dict[str, Any]:
@@ -210,7 +279,6 @@ def write_json(
 
 def save_figure(fig: Any, out: str, name: str) -> str:
     """Saves a matplotlib figure to ``<out>/<name>.png`` atomically."""
-    import io
 
     import matplotlib.pyplot as plt
 

@@ -371,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=3e-3,
         help="adam learning rate (default: 3e-3)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--seed", type=common.seed_int, default=0, help="random seed (default: 0)"
+    )
     return parser
 
 
@@ -379,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = common.parse_args(parser, argv)
     if args.t_min > args.t_max:
-        parser.error("--t-min must not exceed --t-max")
+        parser.error(
+            f"argument --t-min: expected at most --t-max ({args.t_max}), "
+            f"got {args.t_min}"
+        )
     if args.steps is None:
         args.steps = (
             STEPS_TINY if args.tiny else STEPS_QUICK if args.quick else STEPS_FULL

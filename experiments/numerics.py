@@ -51,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DTYPES),
         help=f"comma-separated dtypes (default: {','.join(DTYPES)})",
     )
-    parser.add_argument("--width", type=common.positive_int, default=32)
+    parser.add_argument(
+        "--width",
+        type=common.even_int,
+        default=32,
+        help="features, even: each coupling splits them into halves (default: 32)",
+    )
     parser.add_argument("--batch", type=common.positive_int, default=16)
     parser.add_argument(
         "--scale-bound",
@@ -263,8 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parses flags, measures, writes JSON and plot."""
     parser = build_parser()
     args = common.parse_args(parser, argv)
-    if args.width % 2:
-        parser.error(f"--width must be even to split into halves, got {args.width}")
     if args.depths is None:
         args.depths = (
             [2, 16]

@@ -22,6 +22,16 @@ training-step memory. Training is data-parallel over all visible devices (a
 jitted step donates parameter and optimiser buffers, and an atomic checkpoint
 after every epoch lets an interrupted run resume where it stopped.
 
+The checkpoint, ``<out>/train_checkpoint.npz``, holds every twin's parameters,
+BatchNorm state and optimiser state, the epoch and step counters, the
+configuration's hash and the history so far (``checkpoint.save_checkpoint``: an
+``.npz`` with a JSON manifest and a SHA-256 checksum, loaded without pickle).
+The one it replaces is kept as ``train_checkpoint.prev.npz``. A checkpoint that
+fails its checksum (or does not parse) is reported in one line on stderr and
+the run resumes from the previous one, or from scratch. The batch order of an
+epoch depends only on the seed and the epoch, so a resumed run repeats exactly
+what an uninterrupted one computes.
+
 Run ``python -m experiments.train --help`` for the flags.
 """
 
@@ -31,17 +41,20 @@ import argparse
 import hashlib
 import json
 import os
-import pickle
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from experiments import common
+from experiments import checkpoint, common
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 TWINS = ("reversible", "standard")
 CONTROL_EPS = 1e-7  # relative perturbation of the control run's parameters
+CHECKPOINT = "train_checkpoint.npz"
+PREVIOUS_CHECKPOINT = "train_checkpoint.prev.npz"
+LEGACY_CHECKPOINT = "train_checkpoint.pkl"  # pickle format: never loaded
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reversible units per stage (default: 2,2; 1,1 with --tiny)",
     )
     parser.add_argument(
-        "--width", type=common.positive_int, default=16, help="first stage width"
+        "--width",
+        type=common.even_int,
+        default=16,
+        help="first stage width, even: each coupling splits it into halves "
+        "(default: 16)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=common.seed_int, default=0)
     parser.add_argument(
         "--no-control",
         dest="control",
@@ -120,21 +137,88 @@ def _config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _save_checkpoint(path: str, payload: dict[str, Any]) -> None:
-    import jax
+def _problem(path: str, reason: str | None) -> str:
+    """How ``resume_point`` describes a checkpoint it cannot use."""
+    if reason is None:
+        return f"{path} is missing"
+    if reason == "config":
+        return f"{path} was written for a different configuration"
+    return f"{path} is corrupt ({reason})"
 
-    common.atomic_write_bytes(path, pickle.dumps(jax.device_get(payload)))
 
+def resume_point(
+    out: str, make_template: Callable[[], Any], config_hash: str
+) -> tuple[Any, dict[str, Any] | None, bool]:
+    """Finds the newest usable checkpoint in ``out``.
 
-def _load_checkpoint(path: str, config_hash: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            payload = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError):
-        return None
-    return payload if payload.get("config_hash") == config_hash else None
+    Tries ``CHECKPOINT``, then ``PREVIOUS_CHECKPOINT``. A file is usable if it
+    passes its checksum, parses, has the structure of ``make_template()`` and
+    was written with ``config_hash``. If a file exists but is not usable, ONE
+    line on stderr says which, why, and where the run goes on from.
+
+    Args:
+      out: The output folder.
+      make_template: Returns a pytree with the saved tree's structure, shapes
+        and dtypes; called only if a checkpoint file exists.
+      config_hash: The run's configuration hash.
+
+    Returns:
+      ``(tree, meta, latest_ok)``: the checkpoint's tree and metadata, or
+      ``(None, None, ...)`` to start from scratch; ``latest_ok`` tells whether
+      ``CHECKPOINT`` itself was usable (only then may the next save move it to
+      ``PREVIOUS_CHECKPOINT``).
+    """
+    latest = os.path.join(out, CHECKPOINT)
+    previous = os.path.join(out, PREVIOUS_CHECKPOINT)
+    problems: list[tuple[str, str | None]] = []
+    template = None
+    for path in (latest, previous):
+        if not os.path.exists(path):
+            problems.append((path, None))
+            continue
+        if template is None:
+            template = make_template()
+        try:
+            tree, meta = checkpoint.load_checkpoint(path, template)
+        except FileNotFoundError:  # removed since os.path.exists
+            problems.append((path, None))
+            continue
+        except checkpoint.CheckpointError as err:
+            problems.append((path, str(err) or "unreadable"))
+            continue
+        if meta.get("config_hash") != config_hash:
+            problems.append((path, "config"))
+            continue
+        if problems:  # the latest was unusable, the previous one is good
+            print(
+                f"train: checkpoint {_problem(*problems[0])}; resuming from the "
+                f"previous checkpoint {path} (epoch {meta.get('epoch')})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return tree, meta, not problems
+    (_, latest_reason), (_, previous_reason) = problems
+    if previous_reason is not None:
+        print(
+            f"train: checkpoint {_problem(*problems[0])} and the previous "
+            f"checkpoint {_problem(*problems[1])}; starting from scratch",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif latest_reason is not None:
+        print(
+            f"train: checkpoint {_problem(*problems[0])}; starting from scratch",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif os.path.exists(os.path.join(out, LEGACY_CHECKPOINT)):
+        print(
+            f"train: ignoring {os.path.join(out, LEGACY_CHECKPOINT)} (the old "
+            "pickle format, which is never loaded); starting from scratch",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None, None, False
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,11 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     devices = jax.devices()
     n_dev = len(devices)
-    if args.batch % n_dev:
-        raise SystemExit(
-            f"train: error: --batch {args.batch} must be divisible by the "
-            f"{n_dev} devices"
-        )
+    if args.batch % n_dev:  # main() checks this; run() may be called directly
+        raise ValueError(f"batch {args.batch} is not divisible by {n_dev} devices")
     mesh = Mesh(np.array(devices), ("data",))
     replicated = NamedSharding(mesh, P())
     split = NamedSharding(mesh, P("data"))
@@ -169,6 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     net_config = RevNetConfig(units=units, channels=channels)
     data = load_digits_split(args.seed)
     steps_per_epoch = len(data["x_train"]) // args.batch
+    if steps_per_epoch < 1:  # main() checks this; run() may be called directly
+        raise ValueError(f"batch {args.batch} exceeds the training set")
 
     def make(reversible: bool):
         def forward(x, is_training):
@@ -186,6 +269,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # direction of the noise and the twins' curves would drift apart.)
     total_steps = args.epochs * steps_per_epoch
     warmup = steps_per_epoch if args.epochs > 1 else max(1, steps_per_epoch // 2)
+    # The cosine needs at least one step after the warm-up (one epoch of one
+    # step: no warm-up).
+    warmup = min(warmup, total_steps - 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, total_steps)
     optimizer = optax.sgd(schedule, momentum=0.9)
 
@@ -260,9 +346,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "control": args.control,
     }
     config_hash = _config_hash(config)
-    ckpt_path = os.path.join(args.out, "train_checkpoint.pkl")
-    ckpt = None if args.fresh else _load_checkpoint(ckpt_path, config_hash)
+    ckpt_path = os.path.join(args.out, CHECKPOINT)
     x0 = jnp.asarray(data["x_train"][: args.batch])
+    twins_saved = TWINS + (("control",) if args.control else ())
+
+    def template() -> dict[str, Any]:
+        """The saved tree's structure, shapes and dtypes (nothing computed)."""
+        params, state = jax.eval_shape(
+            lambda key, x: nets["standard"].init(key, x, True),
+            jax.random.PRNGKey(args.seed),
+            x0,
+        )
+        tree = (params, state, jax.eval_shape(optimizer.init, params))
+        return {"trees": {twin: tree for twin in twins_saved}}
+
+    ckpt, meta, latest_ok = (
+        (None, None, False)
+        if args.fresh
+        else resume_point(args.out, template, config_hash)
+    )
     if ckpt is None:
         params, state = common.init_unoptimised(
             nets["standard"].init,
@@ -299,8 +401,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     else:
         trees = ckpt["trees"]
-        start_epoch = ckpt["epoch"]
-        history = ckpt["history"]
+        start_epoch = int(meta["epoch"])
+        history = meta["history"]
     # Fresh replicated copies per twin (the steps donate their inputs).
     trees = {
         twin: jax.tree.map(lambda a: jax.device_put(jnp.array(a), replicated), tree)
@@ -386,15 +488,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             epoch=epoch + 1,
             acc="/".join(f"{history['epoch_test_accuracy'][t][-1]:.3f}" for t in TWINS),
         )
-        _save_checkpoint(
+        previous = os.path.join(args.out, PREVIOUS_CHECKPOINT)
+        checkpoint.save_checkpoint(
             ckpt_path,
+            {"trees": jax.device_get(trees)},
             {
                 "config_hash": config_hash,
                 "epoch": epoch + 1,
-                "trees": trees,
+                "step": (epoch + 1) * steps_per_epoch,
                 "history": history,
             },
+            # Keep the one it replaces, unless that one was found unusable or
+            # is ignored (--fresh).
+            previous=previous if latest_ok else None,
         )
+        if args.fresh and not latest_ok and os.path.exists(previous):
+            os.unlink(previous)  # from before --fresh: never resume from it
+        latest_ok = True
     bar.close()
     finished = stop_epoch == args.epochs
 
@@ -539,6 +649,20 @@ def main(argv: list[str] | None = None) -> int:
         args.epochs = 2 if args.tiny else 8 if args.quick else 20
     if args.units is None:
         args.units = [1, 1] if args.tiny else [2, 2]
+    train_size = len(load_digits_split(args.seed)["y_train"])
+    if args.batch > train_size:
+        parser.error(
+            f"argument --batch: expected at most the {train_size} training "
+            f"images, got {args.batch}"
+        )
+    import jax
+
+    n_dev = jax.device_count()
+    if args.batch % n_dev:
+        parser.error(
+            f"argument --batch: expected a multiple of the {n_dev} devices "
+            f"(the batch is split over them), got {args.batch}"
+        )
     results = run(args)
     config = {**vars(args), **results.pop("config")}
     common.write_json(args.out, "train", config, results)

@@ -1,5 +1,6 @@
 """revnet: reversible neural networks with invertible VJPs for JAX and Haiku."""
 
+from revnet._checks import set_runtime_checks
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import NotInvertibleError, custom_ivjp, register_inverse
 from revnet.loops import scan, while_loop
@@ -13,5 +14,6 @@ __all__ = [
     "invertible",
     "register_inverse",
     "scan",
+    "set_runtime_checks",
     "while_loop",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from revnet import _checks
 
 # Relative tolerances, measured against the largest value of each compared tree.
 RTOL = {jnp.dtype("float32"): 1e-5, jnp.dtype("float64"): 1e-10}
@@ -83,3 +86,14 @@ def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0)
     assert isinstance(back, tuple) and len(back) == len(args)
     assert_trees_close(back, args, rtol, "inverse")
     return out
+
+
+@contextlib.contextmanager
+def runtime_checks(enabled: bool):
+    """Sets revnet's run-time checks inside the block (cost tests measure the
+    default, checks off); the suite's setting comes back afterwards."""
+    _checks.set_runtime_checks(enabled)
+    try:
+        yield
+    finally:
+        _checks.set_runtime_checks(None)

@@ -26,7 +26,8 @@ def run_script(name: str, *flags: str, env: dict[str, str] | None = None):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **(env or {})},
+        # The experiments measure the default configuration (checks off).
+        env={**os.environ, "REVNET_RUNTIME_CHECKS": "0", **(env or {})},
     )
 
 
@@ -237,3 +238,41 @@ def test_help_runs():
     for name in ("memory", "train", "numerics", "demo"):
         proc = run_script(name, "--help")
         assert proc.returncode == 0 and "--out" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "name, flags, env",
+    [
+        ("train", ["--width", "3"], None),  # the coupling splits the width in two
+        ("train", ["--batch", "5000"], None),  # digits: 1437 training images
+        ("train", ["--batch", "1438"], None),
+        ("train", ["--seed", "-1"], None),
+        ("train", ["--units", "2,0"], None),
+        # The batch is split over the devices.
+        (
+            "train",
+            ["--batch", "60"],
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        ),
+        ("numerics", ["--width", "7"], None),
+        ("numerics", ["--depths", "0"], None),
+        ("memory", ["--depths", "0"], None),
+        ("memory", ["--batch", "-2"], None),
+        ("loops", ["--seed", "-1"], None),
+        ("loops", ["--t-min", "5"], None),
+        ("loops", ["--steps", "4,0"], None),
+        ("demo", ["--only", "train,nothing"], None),
+    ],
+)
+def test_bad_values_give_one_line_and_exit_2(name, flags, env, tmp_path):
+    """A bad flag value is ONE line on stderr naming the flag, the value and
+    what is expected; the exit status is argparse's 2; no traceback."""
+    proc = run_script(name, "--out", str(tmp_path), *flags, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1, lines
+    assert "error:" in lines[0] and f"argument {flags[0]}:" in lines[0], lines
+    assert "expected" in lines[0] or "choose from" in lines[0], lines
+    value = flags[1].split(",")[-1]
+    assert value in lines[0], lines

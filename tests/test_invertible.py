@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 import revnet
-from tests.helpers import assert_trees_close, check_against_autodiff, cotangents_like
+from tests.helpers import (
+    assert_trees_close,
+    check_against_autodiff,
+    cotangents_like,
+    runtime_checks,
+)
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -216,7 +221,7 @@ def test_rejects_non_array_arguments():
 # Memory and compute, from the compiled program.
 
 
-def _compiled(n_steps, reversible, width=128, batch=256):
+def _compiled(n_steps, reversible, width=128, batch=256, checks=False):
     ws = jnp.full((n_steps, 2, width, width), 0.01)
     x = jnp.ones((batch, width))
 
@@ -224,7 +229,8 @@ def _compiled(n_steps, reversible, width=128, batch=256):
         f = _scan_net(ws)
         return _loss(revnet.invertible(f) if reversible else f)(x1, x2)
 
-    return jax.jit(jax.grad(loss, (0, 1, 2))).lower(ws, x, x).compile()
+    with runtime_checks(checks):
+        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(ws, x, x).compile()
 
 
 def test_memory_flat_in_depth_while_autodiff_grows():
@@ -240,6 +246,17 @@ def test_flops_within_four_thirds_of_backprop():
     rev = _compiled(8, True).cost_analysis()["flops"]
     std = _compiled(8, False).cost_analysis()["flops"]
     assert rev <= 1.40 * std, f"reversible/standard FLOPs = {rev / std:.3f}"
+
+
+def test_runtime_checks_keep_memory_flat_and_cost_little():
+    rev = [
+        _compiled(n, True, checks=True).memory_analysis().temp_size_in_bytes
+        for n in (8, 64)
+    ]
+    assert rev[1] <= 1.10 * rev[0], f"reversible temp memory grew: {rev}"
+    on = _compiled(8, True, checks=True).cost_analysis()["flops"]
+    off = _compiled(8, True).cost_analysis()["flops"]
+    assert off < on <= 1.05 * off, f"checks on/off FLOPs = {on / off:.4f}"
 
 
 def test_closed_over_keys_replay_dropout_exactly():
