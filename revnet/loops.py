@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet import _jaxpr
+from revnet import _checks, _jaxpr
 from revnet.invertible import (
     _analyze,
     _error,
@@ -123,22 +123,60 @@ def _add_cts(acc: list, new: list) -> list:
     ]
 
 
+def _show(value: Any) -> str:
+    """A one-line, bounded ``repr`` of ``value`` for an error message."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_callable(fname: str, arg: str, fun: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"{fname}: {arg} must be callable, got {_show(fun)}")
+
+
+def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
+    """The initial carry's leaves as arrays of definite (not weak) dtypes.
+
+    ``lax.scan`` and ``lax.while_loop`` let a weakly typed leaf of the initial
+    carry (a Python scalar such as ``0`` or ``1.0``) take the dtype that the
+    body returns for it (``0`` becomes float32 when the body adds a float32 to
+    it), and check the carry's type only after that promotion. This does the
+    same, by one abstract evaluation of ``fun(*leaves, *extra)``, which returns
+    the new carry's leaves, and only when a leaf is weak. When the body returns
+    a carry with another number of leaves nothing is promoted: the carry check
+    that follows reports it.
+    """
+    arrays = [jnp.asarray(x) for x in leaves]
+    if any(getattr(a, "weak_type", False) for a in arrays):
+        out = jax.eval_shape(fun, *arrays, *extra)
+        if len(out) == len(arrays):
+            arrays = [
+                a
+                if not getattr(a, "weak_type", False) or a.dtype == o.dtype
+                else a.astype(jax.dtypes.result_type(a, o))
+                for a, o in zip(arrays, out)
+            ]
+    return [_strong(a) for a in arrays]
+
+
 def _check_max_steps(max_steps: Any) -> int | None:
     if max_steps is None:
         return None
-    if isinstance(max_steps, bool):
-        raise TypeError(f"max_steps must be a non-negative integer, got {max_steps!r}")
+    expected = "a non-negative integer known at trace time (a Python or NumPy integer)"
+    if isinstance(max_steps, (bool, np.bool_)):
+        raise TypeError(f"while_loop: max_steps must be {expected}, got {max_steps!r}")
     try:
         bound = operator.index(max_steps)
     except TypeError:
         raise TypeError(
-            "max_steps must be a non-negative integer known at trace time (a Python "
-            f"or NumPy integer), got {max_steps!r}"
+            f"while_loop: max_steps must be {expected}, got {_show(max_steps)}"
         ) from None
     if bound < 0:
-        raise ValueError(f"max_steps must be non-negative, got {bound}")
+        raise ValueError(f"while_loop: max_steps must be non-negative, got {bound}")
     if bound > _INT32_MAX:
-        raise ValueError(f"max_steps must be at most {_INT32_MAX}, got {bound}")
+        raise ValueError(
+            f"while_loop: max_steps must be at most {_INT32_MAX}, got {bound}"
+        )
     return bound
 
 
@@ -189,7 +227,8 @@ def while_loop(
         equation (as for :func:`revnet.invertible`; the values it closes over are
         constants of the inversion). Integer leaves of ``val`` must be updated
         invertibly (``i + 1``) and get no gradient.
-      init_val: the initial carry, a pytree of arrays.
+      init_val: the initial carry, a pytree of arrays or Python scalars (these
+        take the dtype ``body_fun`` returns for them, as in ``lax.while_loop``).
       max_steps: optional bound on the number of steps, a non-negative integer
         known at trace time.
 
@@ -199,14 +238,16 @@ def while_loop(
     Raises:
       NotInvertibleError: when ``body_fun`` cannot be inverted in the carry; the
         message names the equation, the carry leaf and the source line.
-      TypeError: when ``max_steps`` is not an integer, ``cond_fun`` does not
-        return a boolean scalar, or ``body_fun`` changes the carry's type.
+      TypeError: when ``cond_fun`` or ``body_fun`` is not callable,
+        ``max_steps`` is not an integer (a bool is not one), ``cond_fun`` does
+        not return a boolean scalar, or ``body_fun`` changes the carry's type.
       ValueError: when ``max_steps`` is negative.
     """
+    _check_callable("while_loop", "cond_fun", cond_fun)
+    _check_callable("while_loop", "body_fun", body_fun)
     bound = _check_max_steps(max_steps)
     bname = getattr(body_fun, "__name__", "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
-    leaves = [_strong(x) for x in leaves]
     out_tree_box: list = []
 
     def flat_body(*carry):
@@ -218,6 +259,7 @@ def while_loop(
     def flat_cond(*carry):
         return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
 
+    leaves = _promoted_carry(flat_body, leaves, [])
     body_jaxpr, body_consts, _ = _jaxpr.trace(flat_body, leaves)
     nk = len(body_consts)
     carry_avals = _avals(body_jaxpr.invars[nk:])
@@ -274,27 +316,36 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
         def go(state):
             return state[0] > 0
 
+        messages: list[str] = []
+
         def step(state):
-            m, c, ctc, ctk = state
+            m, c, ctc, ctk, bad = state
             for hook in hooks:
                 jax.debug.callback(hook, m)
-            prev, in_cts = _run_plan(plan, list(bk), list(c), list(ctc))
+            with _checks.scope() as sc:
+                prev, in_cts = _run_plan(plan, list(bk), list(c), list(ctc))
+            bad = _checks.merge(bad, sc, messages)
             in_cts = _float_or_none(in_cts, k_avals + c_avals)
-            return m - 1, prev, in_cts[nk:], _add_cts(ctk, in_cts[:nk])
+            return m - 1, prev, in_cts[nk:], _add_cts(ctk, in_cts[:nk]), bad
 
         state = (
             n,
             list(final),
             _float_or_none(list(cts), c_avals),
             _float_or_none([None] * nk, k_avals),
+            jnp.int32(-1) if _checks.enabled() else None,
         )
-        _, _, ct_init, ct_k = lax.while_loop(go, step, state)
+        with _checks.scope() as top:
+            _, _, ct_init, ct_k, bad = lax.while_loop(go, step, state)
+            _checks.record_index(bad, messages)
+        _checks.raise_if_failed(top)
         return (
             _fill_cts(ct_k, k_avals),
             _zero_cts(q_avals),
             _fill_cts(ct_init, c_avals),
         )
 
+    bwd._revnet_loop = "while_loop"  # read by the analysis (see invertible.py)
     run.defvjp(fwd, bwd)
     return run
 
@@ -303,20 +354,56 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
 # scan.
 
 
+def _check_length(length: Any) -> int | None:
+    if length is None:
+        return None
+    expected = "a non-negative integer known at trace time (a Python or NumPy integer)"
+    if isinstance(length, (bool, np.bool_)):
+        raise TypeError(f"scan: length must be {expected}, got {length!r}")
+    try:
+        n = operator.index(length)
+    except TypeError:
+        raise TypeError(
+            f"scan: length must be {expected}, got {_show(length)}"
+        ) from None
+    if n < 0:
+        raise ValueError(f"scan: length must be non-negative, got {n}")
+    return n
+
+
+def _check_reverse(reverse: Any) -> bool:
+    if not isinstance(reverse, (bool, np.bool_)):
+        raise TypeError(
+            "scan: reverse must be a bool known at trace time (True or False), got "
+            f"{_show(reverse)}"
+        )
+    return bool(reverse)
+
+
+def _check_unroll(unroll: Any) -> int | bool:
+    """``unroll`` as ``lax.scan`` takes it: a bool or a non-negative int."""
+    expected = "a bool or a non-negative integer known at trace time"
+    if isinstance(unroll, (bool, np.bool_)):
+        return bool(unroll)
+    try:
+        u = operator.index(unroll)
+    except TypeError:
+        raise TypeError(
+            f"scan: unroll must be {expected}, got {_show(unroll)}"
+        ) from None
+    if u < 0:
+        raise ValueError(f"scan: unroll must be {expected}, got {u}")
+    return u
+
+
 def _scan_length(xs_leaves: list, length: int | None) -> int:
-    lengths = {int(np.shape(x)[0]) for x in xs_leaves if np.ndim(x) > 0}
     if any(np.ndim(x) == 0 for x in xs_leaves):
         raise ValueError(
             "scan got a scalar in xs; every leaf of xs needs a leading "
             "axis to scan over"
         )
+    lengths = {int(np.shape(x)[0]) for x in xs_leaves}
     if length is not None:
-        try:
-            length = operator.index(length)
-        except TypeError:
-            raise TypeError(f"length must be an integer, got {length!r}") from None
-        if length < 0:
-            raise ValueError(f"length must be non-negative, got {length}")
         lengths.add(length)
     if len(lengths) > 1:
         raise ValueError(
@@ -334,10 +421,15 @@ def scan(
     xs: Any = None,
     length: int | None = None,
     reverse: bool = False,
+    unroll: int | bool = 1,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-efficient, invertible VJP.
 
-    Computes the same values as ``jax.lax.scan(f, init, xs, length, reverse)``.
+    Computes the same values as ``jax.lax.scan(f, init, xs, length, reverse,
+    unroll)`` and accepts the same arguments: any pytree as the carry (tuples,
+    lists, dicts, None leaves), Python scalars in ``init`` (promoted to the
+    dtype ``f`` returns for them, as ``lax.scan`` does), and ``f`` returning
+    any pytree node with two children as ``(carry, y)`` (a tuple or a list).
     Under reverse-mode differentiation the forward pass saves only the final
     carry, the stacked outputs ``ys`` (which are outputs anyway), ``xs`` and the
     values ``f`` closes over; the backward pass is one reverse ``lax.scan`` that
@@ -357,26 +449,39 @@ def scan(
 
     Args:
       f: ``f(carry, x) -> (carry, y)``, invertible in ``carry`` given ``x``
-        (equation by equation, as for :func:`revnet.invertible`). Integer
-        leaves of the carry must be updated invertibly and get no gradient.
-      init: the initial carry, a pytree of arrays.
+        (equation by equation, as for :func:`revnet.invertible`). The carry it
+        returns must have the structure, shapes and dtypes of the one it takes.
+        Integer leaves of the carry must be updated invertibly and get no
+        gradient.
+      init: the initial carry, a pytree of arrays or Python scalars.
       xs: a pytree of arrays with a common leading axis to scan over, or None.
-      length: the number of steps; required when ``xs`` is None.
+      length: the number of steps, a non-negative integer known at trace time;
+        required when ``xs`` is None.
       reverse: scan from the end of ``xs`` to the start, as in ``lax.scan``.
+      unroll: as in ``lax.scan``: how many steps run within one iteration of the
+        compiled loop; True unrolls the whole loop, False (or 1) none of it, and
+        0 also the whole loop. It applies to the forward scan and to the
+        backward reverse scan alike, and changes speed and compile time, never
+        the values.
 
     Returns:
-      ``(final_carry, ys)`` with ``ys`` stacked along a leading axis.
+      ``(final_carry, ys)`` with ``ys`` stacked along a leading axis, in the
+      container ``f`` returns (a tuple, or a list when ``f`` returns a list).
 
     Raises:
       NotInvertibleError: when ``f`` cannot be inverted in the carry.
-      TypeError: when ``f`` changes the carry's type or ``length`` is not an
-        integer.
+      TypeError: when ``f`` is not callable, does not return a pair, or changes
+        the carry's type, or when ``length``, ``reverse`` or ``unroll`` has the
+        wrong type (a bool is not a length; a traced value is not allowed).
       ValueError: when the lengths of ``xs`` and ``length`` disagree or neither
-        is given.
+        is given, or when ``length`` or ``unroll`` is negative.
     """
+    _check_callable("scan", "f", f)
+    length = _check_length(length)
+    reverse = _check_reverse(reverse)
+    unroll = _check_unroll(unroll)
     fname = getattr(f, "__name__", "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
-    c_leaves = [_strong(x) for x in c_leaves]
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
     n = _scan_length(x_leaves, length)
@@ -387,17 +492,25 @@ def scan(
     def flat_f(*flat):
         carry = jax.tree_util.tree_unflatten(c_tree, flat[:nc])
         x = jax.tree_util.tree_unflatten(x_tree, flat[nc:])
-        out = f(carry, x)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"{fname} must return a pair (carry, y), got {out!r}")
-        c_out, c_out_tree = jax.tree_util.tree_flatten(out[0])
-        y_out, y_tree = jax.tree_util.tree_flatten(out[1])
-        trees.append((c_out_tree, y_tree))
-        return c_out + y_out
+        out_leaves, out_tree = jax.tree_util.tree_flatten(f(carry, x))
+        # As in lax.scan: any pytree node with two children is a pair.
+        children = jax.tree_util.treedef_children(out_tree)
+        if len(children) != 2:
+            raise TypeError(
+                f"{fname} must return a pair (carry, y), got a value of structure "
+                f"{out_tree}"
+            )
+        trees.append((out_tree, children[0]))
+        return out_leaves
 
+    def carry_of_f(*flat):
+        out = flat_f(*flat)
+        return out[: trees[-1][1].num_leaves]
+
+    c_leaves = _promoted_carry(carry_of_f, c_leaves, x_slices)
     jaxpr, consts, _ = _jaxpr.trace(flat_f, c_leaves + x_slices)
     nk = len(consts)
-    c_out_tree, y_tree = trees[-1]
+    out_tree, c_out_tree = trees[-1]
     _check_carry(
         fname,
         c_tree,
@@ -414,16 +527,15 @@ def scan(
         )
     except _Stuck as stuck:
         raise _error(stuck, _leaf_paths("init", init), nk, fname) from None
-    params = _jaxpr.ScanParams(_jaxpr.Body(jaxpr, ()), nk, nc, n, bool(reverse))
+    params = _jaxpr.ScanParams(
+        _jaxpr.Body(jaxpr, ()), nk, nc, n, reverse, unroll=unroll
+    )
     step = _Scan(
         -1, (), params, plan, (True,) * nx, (True,) * (len(jaxpr.outvars) - nc)
     )
     run = _make_scan(step)
     final, ys = run(list(consts), c_leaves, x_leaves)
-    return (
-        jax.tree_util.tree_unflatten(c_tree, final),
-        jax.tree_util.tree_unflatten(y_tree, ys),
-    )
+    return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))
 
 
 def _make_scan(step: _Scan):
@@ -441,7 +553,12 @@ def _make_scan(step: _Scan):
             return out[:nc], out[nc:]
 
         return lax.scan(
-            body, list(init), list(xs), length=sp.length, reverse=sp.reverse
+            body,
+            list(init),
+            list(xs),
+            length=sp.length,
+            reverse=sp.reverse,
+            unroll=sp.unroll,
         )
 
     @jax.custom_vjp
@@ -456,11 +573,14 @@ def _make_scan(step: _Scan):
         consts, xs, final, ys = res
         ct_final, ct_ys = cts
         known = list(consts) + [None] * nc + list(xs)
-        _, in_cts = _run_scan(
-            step, known, list(final) + list(ys), list(ct_final) + list(ct_ys)
-        )
+        with _checks.scope() as top:
+            _, in_cts = _run_scan(
+                step, known, list(final) + list(ys), list(ct_final) + list(ct_ys)
+            )
+        _checks.raise_if_failed(top)
         in_cts = _fill_cts(in_cts, k_avals + c_avals + x_avals)
         return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
+    bwd._revnet_loop = "scan"  # read by the analysis (see invertible.py)
     run.defvjp(fwd, bwd)
     return run

@@ -9,6 +9,7 @@ programs (``memory_analysis``, ``cost_analysis``), never on wall time.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import haiku as hk
 import jax
@@ -598,3 +599,264 @@ def test_type_errors():
             (1.0,),
             (1.0,),
         )
+
+
+# --------------------------------------------------------------------------- #
+# scan accepts the carries lax.scan accepts: lists, lists inside tuples, a pair
+# returned as a list, Python scalars in the carry.
+
+# (dtype, x64): float32 with and without x64 (under x64 a Python float in the
+# carry is a weak float64 that lax.scan narrows to float32), and float64.
+_DTYPES = [
+    pytest.param(jnp.float32, False, id="f32"),
+    pytest.param(jnp.float32, True, id="f32-x64"),
+    pytest.param(jnp.float64, True, id="f64"),
+]
+
+
+def _list_step(p, c, x):
+    """``(x1, x2) -> (x1, x2)``, an additive coupling driven by ``x = [b, h]``."""
+    x1, x2 = c
+    x1 = x1 + p["dt"] * jnp.tanh(x2 @ p["w1"] + x[0])
+    x2 = x2 + x[1] * jnp.tanh(x1 @ p["w2"])
+    return x1, x2
+
+
+def _list_pair(p):
+    """A list carry, and the pair ``(carry, y)`` returned as a list."""
+
+    def f(c, x):
+        x1, x2 = _list_step(p, c, x)
+        return [[x1, x2], jnp.sum(x1 * x2)]
+
+    return f, lambda x1, x2: [x1, x2]
+
+
+def _list_in_tuple(p):
+    """A list inside a tuple, a Python float ``t`` and a list of ys."""
+
+    def f(c, x):
+        (x1, x2), t = c
+        x1, x2 = _list_step(p, (x1, x2), x)
+        return ([x1, x2], t + p["dt"]), [jnp.mean(x2, axis=-1), t * jnp.sum(x1)]
+
+    return f, lambda x1, x2: ([x1, x2], 0.5)
+
+
+def _python_int_leaf(p):
+    """A Python ``0`` that the body turns into a float: lax.scan promotes it."""
+
+    def f(c, x):
+        x1, x2, t = c
+        x1, x2 = _list_step(p, (x1, x2), x)
+        return [x1, x2, t + p["dt"]], t * jnp.sum(x2)
+
+    return f, lambda x1, x2: [x1, x2, 0]
+
+
+def _python_float_list(p):
+    """A list of an array and a Python float (weak, and float64 under x64)."""
+
+    def f(c, x):
+        x1, s = c
+        x1 = x1 + p["dt"] * jnp.tanh(x[0] + s * p["b"])
+        s = s + jnp.sum(x1)
+        return [x1, s], x1
+
+    return f, lambda x1, x2: [x1, 1.0]
+
+
+_LIST_CASES = {
+    "list_pair": _list_pair,
+    "list_in_tuple": _list_in_tuple,
+    "python_int_leaf": _python_int_leaf,
+    "python_float_list": _python_float_list,
+}
+
+
+def _tree_loss(out):
+    leaves = jax.tree_util.tree_leaves(out)
+    return sum(jnp.sum(jnp.sin(leaf)) * (n + 1) for n, leaf in enumerate(leaves))
+
+
+def _list_value_and_grad(scan_fn, case):
+    def loss(p, x1, x2, xs, reverse):
+        f, make_init = _LIST_CASES[case](p)
+        return _tree_loss(scan_fn(f, make_init(x1, x2), xs, reverse=reverse))
+
+    def vg(p, x1, x2, xs, reverse):
+        f, make_init = _LIST_CASES[case](p)
+        out = scan_fn(f, make_init(x1, x2), xs, reverse=reverse)
+        return out, jax.grad(loss, (0, 1, 2, 3))(p, x1, x2, xs, reverse)
+
+    return vg
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("case", sorted(_LIST_CASES))
+@pytest.mark.parametrize("dtype, x64", _DTYPES)
+def test_scan_list_carries_match_lax_scan(case, dtype, x64, reverse):
+    with jax.enable_x64(x64):
+        p = _params(11, 3, dtype)
+        x1, x2 = _inputs(11, 2, 3, dtype)
+        k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+        xs = [
+            (0.2 * jax.random.normal(k1, (4, 3))).astype(dtype),
+            (0.3 + 0.1 * jax.random.normal(k2, (4,))).astype(dtype),
+        ]
+        args = (p, x1, x2, xs, reverse)
+        want = _list_value_and_grad(lax.scan, case)(*args)
+        got = _list_value_and_grad(scan, case)(*args)
+        # Same containers (lists stay lists), dtypes and values, elementwise.
+        _assert_tree_close(got, want, RTOL[dtype])
+        jitted = jax.jit(_list_value_and_grad(scan, case), static_argnums=4)
+        _assert_tree_close(jitted(*args), want, RTOL[dtype])
+
+
+def test_scan_pair_must_have_two_children_as_in_lax_scan():
+    with pytest.raises(TypeError, match=r"must return a pair \(carry, y\)") as info:
+        scan(lambda c, x: [c + x, c, c], 0.0, jnp.ones(3))
+    assert "\n" not in str(info.value)
+    with pytest.raises(TypeError, match="same structure"):
+        scan(lambda c, x: ((c[0] + x, c[1]), x), [0.0, 1.0], jnp.ones(3))
+    with pytest.raises(TypeError, match="same pytree structure"):
+        lax.scan(lambda c, x: ((c[0] + x, c[1]), x), [0.0, 1.0], jnp.ones(3))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
+    with jax.enable_x64(x64):
+        w = jnp.asarray(0.5, jnp.float32)
+
+        def body(c):
+            return [c[0] + w * jnp.sin(c[1]), c[1] + w, c[2] + 1]
+
+        def cond(c):
+            return c[2] < 4
+
+        got = while_loop(cond, body, [0, 1.0, 0])
+        want = lax.while_loop(cond, body, [0, 1.0, 0])
+        _assert_tree_close(got, want, 1e-6)
+
+        def loss(loop, w):
+            def body_w(c):
+                return [c[0] + w * jnp.sin(c[1]), c[1] + w, c[2] + 1]
+
+            out = loop(body_w)
+            return out[0] + out[1] ** 2
+
+        g = jax.grad(lambda w: loss(lambda b: while_loop(cond, b, [0, 1.0, 0]), w))(w)
+        ref = jax.grad(
+            lambda w: loss(
+                lambda b: lax.scan(lambda c, _: (b(c), None), [0, 1.0, 0], length=4)[0],
+                w,
+            )
+        )(w)
+        _assert_tree_close(g, ref, 1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# scan's unroll.
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 3, 0, True, False, np.int64(2)])
+@pytest.mark.parametrize("dtype, x64", _DTYPES[::2])
+def test_scan_unroll_matches_lax_scan(unroll, dtype, x64):
+    with jax.enable_x64(x64):
+        p = _params(4, 3, dtype)
+        x1, x2 = _inputs(4, 2, 3, dtype)
+        xs = {
+            "b": 0.1 * jnp.ones((5, 3), dtype),
+            "h": jnp.linspace(0.2, 0.4, 5, dtype=dtype),
+        }
+
+        def vg(scan_fn):
+            def run(p, x1, x2, xs):
+                return scan_fn(_scan_f(p), (x1, x2), xs, unroll=unroll)
+
+            def loss(p, x1, x2, xs):
+                (y1, y2), ys = run(p, x1, x2, xs)
+                return _readout(y1, y2) + jnp.sum(ys["m"] ** 2) + jnp.sum(ys["s"])
+
+            args = (p, x1, x2, xs)
+            out = (run(*args), jax.grad(loss, (0, 1, 2, 3))(*args))
+            # The unroll of every scan in the gradient program: forward and backward.
+            text = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(*args))
+            return out, re.findall(r"\bunroll=(\w+)", text)
+
+        got, got_unrolls = vg(scan)
+        want, want_unrolls = vg(lax.scan)
+        _assert_tree_close(got, want, RTOL[dtype])
+        assert got_unrolls == want_unrolls and len(got_unrolls) == 2, (
+            got_unrolls,
+            want_unrolls,
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Bad arguments: one-line errors naming the argument and the value.
+
+
+def _scan_call(**kwargs):
+    return scan(lambda c, x: (c + x, c), 0.0, jnp.arange(3.0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"unroll": -1}, ValueError, ["unroll", "-1", "non-negative"]),
+        ({"unroll": 1.5}, TypeError, ["unroll", "1.5", "bool"]),
+        ({"unroll": "2"}, TypeError, ["unroll", "'2'"]),
+        ({"unroll": None}, TypeError, ["unroll", "None"]),
+        ({"length": 2.5}, TypeError, ["length", "2.5", "integer"]),
+        ({"length": "3"}, TypeError, ["length", "'3'"]),
+        ({"length": True}, TypeError, ["length", "True", "integer"]),
+        ({"length": -1}, ValueError, ["length", "-1"]),
+        ({"reverse": "yes"}, TypeError, ["reverse", "'yes'", "bool"]),
+        ({"reverse": None}, TypeError, ["reverse", "None", "bool"]),
+        ({"reverse": 1}, TypeError, ["reverse", "1", "bool"]),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else "",
+)
+def test_scan_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        _scan_call(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("scan: "), message
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_scan_accepts_numpy_arguments():
+    got = _scan_call(length=np.int64(3), reverse=np.bool_(True), unroll=np.int32(2))
+    want = lax.scan(lambda c, x: (c + x, c), 0.0, jnp.arange(3.0), reverse=True)
+    _assert_tree_close(got, want, 1e-6)
+
+
+@pytest.mark.parametrize("arg", ["length", "reverse", "unroll"])
+def test_scan_traced_static_arguments_are_reported(arg):
+    value = {"length": 3, "reverse": True, "unroll": 2}[arg]
+    with pytest.raises(TypeError, match=f"scan: {arg} must be .*known at trace time"):
+        jax.jit(lambda v: _scan_call(**{arg: v}))(value)
+
+
+def test_while_bad_arguments_are_one_line_and_named():
+    cases = [
+        (lambda: while_loop(3, lambda c: c, 0.0), "cond_fun"),
+        (lambda: while_loop(lambda c: c < 1.0, "body", 0.0), "body_fun"),
+        (lambda: while_loop(lambda c: c < 1.0, lambda c: c, 0.0, np.True_), "True"),
+        (
+            lambda: jax.jit(
+                lambda n: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, n)
+            )(3),
+            "known at trace time",
+        ),
+    ]
+    for call, word in cases:
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("while_loop: "), message
+        assert word in message, message
+    with pytest.raises(TypeError, match="scan: f must be callable, got 3"):
+        scan(3, 0.0, jnp.ones(3))

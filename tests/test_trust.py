@@ -485,3 +485,23 @@ def test_while_loop_inside_invertible_is_refused_with_a_reason():
     with pytest.raises(revnet.NotInvertibleError, match="trip count") as e:
         revnet.invertible(f)(jnp.ones(3))
     assert "revnet.scan" in str(e.value)
+
+
+@pytest.mark.parametrize("loop", ["scan", "while_loop"])
+def test_runtime_checks_in_revnet_loops(loop, checks_on):
+    x = _x("float32")
+
+    def run(w):
+        body = lambda c: jnp.tanh(c) * w  # noqa: E731
+        if loop == "scan":
+            return revnet.scan(lambda c, _: (body(c), None), x, None, length=3)[0]
+        return revnet.while_loop(
+            lambda c: c[1] < 3, lambda c: (body(c[0]), c[1] + 1), (x, 0)
+        )[0]
+
+    g = jax.grad(lambda w: _loss(run)(w))
+    with pytest.raises(
+        (revnet.NotInvertibleError, jax.errors.JaxRuntimeError), match="non-finite"
+    ):
+        jax.block_until_ready(g(jnp.float32(0.0)))
+    assert np.isfinite(g(jnp.float32(0.5)))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_input(
@@ -66,3 +70,169 @@ def check_output(module: str, what: str, out: Any, shape: tuple[int, ...]) -> No
             f"{module}: {what} must return an array of shape {tuple(shape)}, got "
             f"{tuple(jnp.shape(out))}."
         )
+
+
+# --------------------------------------------------------------------------- #
+# Constructor arguments: checked up front, one-line errors that name the module,
+# the argument, the value and what was expected.
+
+
+def show(value: Any) -> str:
+    """A one-line, bounded ``repr`` of ``value`` for an error message."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(
+    module: str, arg: str, value: Any, expected: str, error: type = TypeError
+) -> Exception:
+    return error(f"{module}: {arg} must be {expected}, got {show(value)}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def check_name(cls: type, name: Any) -> None:
+    """Checks a module's ``name`` before ``hk.Module.__init__`` sees it.
+
+    Haiku itself rejects strings that are not identifiers; anything that is not
+    a string fails inside Haiku with an unrelated message.
+
+    Raises:
+      TypeError: If ``name`` is neither a string nor None.
+    """
+    if name is not None and not isinstance(name, str):
+        raise _fail(cls.__name__, "name", name, "a string or None")
+
+
+def check_int(module: str, arg: str, value: Any, minimum: int = 1) -> int:
+    """Checks that ``value`` is an integer (not a bool) of at least ``minimum``.
+
+    Python and NumPy integers are accepted.
+
+    Returns:
+      ``value`` as a Python int.
+
+    Raises:
+      TypeError: If ``value`` is not an integer (a bool, a float, a string).
+      ValueError: If ``value`` is smaller than ``minimum``.
+    """
+    expected = {0: "a non-negative integer", 1: "a positive integer"}.get(
+        minimum, f"an integer of at least {minimum}"
+    )
+    if not _is_int(value):
+        raise _fail(module, arg, value, expected)
+    if value < minimum:
+        raise _fail(module, arg, value, expected, ValueError)
+    return int(value)
+
+
+def check_real(
+    module: str,
+    arg: str,
+    value: Any,
+    expected: str,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+) -> float:
+    """Checks that ``value`` is a finite real number (not a bool) in a range.
+
+    ``low`` is inclusive unless ``low_inclusive`` is False; ``high`` is
+    exclusive.
+
+    Returns:
+      ``value`` as a Python float.
+
+    Raises:
+      TypeError: If ``value`` is not a real number.
+      ValueError: If ``value`` is not finite or outside the range.
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise _fail(module, arg, value, expected)
+    v = float(value)
+    below = low is not None and (v < low if low_inclusive else v <= low)
+    if not math.isfinite(v) or below or (high is not None and v >= high):
+        raise _fail(module, arg, value, expected, ValueError)
+    return v
+
+
+def check_bool(module: str, arg: str, value: Any) -> bool:
+    """Checks that ``value`` is a Python or NumPy bool; returns it as a bool.
+
+    Raises:
+      TypeError: If ``value`` is not a bool (``0``, ``"yes"`` and None are not).
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise _fail(module, arg, value, "a bool (True or False)")
+    return bool(value)
+
+
+def check_callable(module: str, arg: str, value: Any, expected: str = "") -> Any:
+    """Checks that ``value`` is callable; returns it.
+
+    Raises:
+      TypeError: If ``value`` is not callable.
+    """
+    if not callable(value):
+        raise _fail(module, arg, value, expected or "a callable")
+    return value
+
+
+def check_choice(module: str, arg: str, value: Any, choices: tuple[str, ...]) -> str:
+    """Checks that ``value`` is one of the strings ``choices``; returns it.
+
+    Raises:
+      TypeError: If ``value`` is not a string.
+      ValueError: If ``value`` is not one of ``choices``.
+    """
+    expected = " or ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise _fail(module, arg, value, expected)
+    if value not in choices:
+        raise _fail(module, arg, value, expected, ValueError)
+    return value
+
+
+def check_float_dtype(module: str, arg: str, value: Any) -> Any:
+    """Checks that ``value`` is None or a floating point dtype.
+
+    Returns:
+      None, or ``value`` as a NumPy dtype (``jnp.bfloat16`` and ``"float16"``
+      are accepted).
+
+    Raises:
+      TypeError: If ``value`` is not a dtype, or not a floating point one.
+    """
+    if value is None:
+        return None
+    expected = "None or a floating point dtype (such as jnp.bfloat16)"
+    if isinstance(value, (bool, np.bool_, numbers.Number)):
+        raise _fail(module, arg, value, expected)
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise _fail(module, arg, value, expected) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise _fail(module, arg, value, expected)
+    return dtype
+
+
+def check_mapping(module: str, arg: str, value: Any) -> dict | None:
+    """Checks that ``value`` is None or a mapping with string keys.
+
+    Returns:
+      None, or ``value`` as a dict.
+
+    Raises:
+      TypeError: If ``value`` is not a mapping of keyword arguments.
+    """
+    if value is None:
+        return None
+    expected = "None or a dict of keyword arguments"
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _fail(module, arg, value, expected)
+    return dict(value)

@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from revnet.blocks import _tape
-from revnet.blocks._checks import check_output, check_splittable
+from revnet.blocks._checks import (
+    check_callable,
+    check_float_dtype,
+    check_name,
+    check_output,
+    check_real,
+    check_splittable,
+)
 from revnet.blocks._lift import Lifted, PureApply
 
 _EXPECTED = "[batch, ..., 2 * half_channels]"
@@ -144,8 +151,17 @@ class AdditiveCoupling(hk.Module):
           compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) in which ``f`` and
             ``g`` compute; parameters and the residual stream keep their dtype.
           name: Name of the module.
+
+        Raises:
+          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype`` is
+            not None or a floating point dtype.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
+        module = self.module_name
+        check_callable(module, "f", f)
+        check_callable(module, "g", g)
+        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         self._f = Lifted(f, self, "f", compute_dtype)
         self._g = Lifted(g, self, "g", compute_dtype)
         self._rule = AdditiveRule(self._f.apply, self._g.apply, self.module_name)
@@ -278,14 +294,24 @@ class AffineCoupling(hk.Module):
           name: Name of the module.
 
         Raises:
-          ValueError: If ``scale_bound`` is not positive.
+          TypeError: If ``net`` is not callable, ``scale_bound`` is not a number
+            or None, or ``compute_dtype`` is not None or a floating point dtype.
+          ValueError: If ``scale_bound`` is not positive and finite.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
-        if scale_bound is not None and not scale_bound > 0:
-            raise ValueError(
-                f"{self.module_name}: scale_bound must be positive or None, got "
-                f"{scale_bound}."
+        module = self.module_name
+        check_callable(module, "net", net)
+        if scale_bound is not None:
+            scale_bound = check_real(
+                module,
+                "scale_bound",
+                scale_bound,
+                "a positive finite number or None",
+                low=0.0,
+                low_inclusive=False,
             )
+        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         self._net = Lifted(net, self, "net", compute_dtype)
         self._rule = AffineRule(self._net.apply, scale_bound, self.module_name)
 

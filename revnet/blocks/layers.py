@@ -18,7 +18,14 @@ import jax
 import numpy as np
 
 from revnet.blocks import _tape
-from revnet.blocks._checks import check_input
+from revnet.blocks._checks import (
+    check_bool,
+    check_choice,
+    check_input,
+    check_int,
+    check_mapping,
+    check_name,
+)
 
 
 class PermutationRule(NamedTuple):
@@ -81,10 +88,16 @@ class Squeeze(hk.Module):
         """Constructs the module.
 
         Args:
-          factor: Spatial downsampling factor.
+          factor: Spatial downsampling factor, a positive integer.
           name: Name of the module.
+
+        Raises:
+          TypeError: If ``factor`` is not an integer.
+          ValueError: If ``factor`` is not positive.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
+        factor = check_int(self.module_name, "factor", factor)
         self.factor = factor
         self._rule = PermutationRule(
             lambda x: space_to_depth(x, factor), lambda y: depth_to_space(y, factor)
@@ -148,19 +161,23 @@ class ChannelPermutation(hk.Module):
         Args:
           kind: ``"random"`` for a permutation drawn once from ``seed`` (fixed, not
             a parameter), or ``"reverse"`` to reverse the channel order.
-          seed: Seed of the random permutation.
+          seed: Seed of the random permutation, an integer in ``[0, 2**32)``.
           name: Name of the module.
 
         Raises:
-          ValueError: If ``kind`` is unknown.
+          TypeError: If ``kind`` is not a string or ``seed`` not an integer.
+          ValueError: If ``kind`` is unknown or ``seed`` out of range.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
-        if kind not in ("random", "reverse"):
+        module = self.module_name
+        self.kind = check_choice(module, "kind", kind, ("random", "reverse"))
+        self.seed = check_int(module, "seed", seed, minimum=0)
+        if self.seed >= 2**32:
             raise ValueError(
-                f"{self.module_name}: kind must be 'random' or 'reverse', got {kind!r}."
+                f"{module}: seed must be a non-negative integer below 2**32, got "
+                f"{self.seed}."
             )
-        self.kind = kind
-        self.seed = seed
 
     def _rule(self, x: Any) -> PermutationRule:
         check_input(self.module_name, x, min_rank=1, expected="[..., channels]")
@@ -271,12 +288,25 @@ class StageTransition(hk.Module):
           bottleneck: Whether to use a 1x1 -> 3x3 -> 1x1 bottleneck.
           bn_config: Keyword arguments of ``hk.BatchNorm``.
           name: Name of the module.
+
+        Raises:
+          TypeError: If ``output_channels`` or ``stride`` is not an integer,
+            ``bottleneck`` not a bool, or ``bn_config`` not a dict or None.
+          ValueError: If ``output_channels`` or ``stride`` is not positive, or
+            ``bottleneck`` is set and ``output_channels`` is below 4.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
-        self.output_channels = output_channels
-        self.stride = stride
-        self.bottleneck = bottleneck
-        self.bn_config = bn_config
+        module = self.module_name
+        self.output_channels = check_int(module, "output_channels", output_channels)
+        self.stride = check_int(module, "stride", stride)
+        self.bottleneck = check_bool(module, "bottleneck", bottleneck)
+        self.bn_config = check_mapping(module, "bn_config", bn_config)
+        if self.bottleneck and self.output_channels < 4:
+            raise ValueError(
+                f"{module}: output_channels must be at least 4 with bottleneck "
+                f"(inner width output_channels // 4), got {self.output_channels}."
+            )
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
         """Downsamples ``x`` of shape ``[batch, height, width, channels]``."""

@@ -11,13 +11,21 @@ resolution and width; it stores its input, as in the paper.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from revnet.blocks._checks import check_input
+from revnet.blocks._checks import (
+    check_bool,
+    check_float_dtype,
+    check_input,
+    check_int,
+    check_name,
+    show,
+)
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.layers import StageTransition, conv_stack
 from revnet.blocks.sequence import ReversibleSequence
@@ -47,6 +55,33 @@ CONFIGS = {
     "revnet164": RevNetConfig((9, 9, 9), (32, 32, 64, 128), bottleneck=True),
     "tiny": RevNetConfig((2, 2), (8, 8, 16)),
 }
+
+
+def _check_config(module: str, config: Any) -> RevNetConfig:
+    """Checks the types of a :class:`RevNetConfig`; returns it with tuples."""
+    if not isinstance(config, RevNetConfig):
+        raise TypeError(
+            f"{module}: depth_config must be one of {sorted(CONFIGS)} or a "
+            f"RevNetConfig, got {show(config)}."
+        )
+    fields = {}
+    for field in ("units", "channels"):
+        value = getattr(config, field)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TypeError(
+                f"{module}: depth_config.{field} must be a tuple of positive "
+                f"integers, got {show(value)}."
+            )
+        fields[field] = tuple(
+            check_int(module, f"depth_config.{field}[{i}]", v)
+            for i, v in enumerate(value)
+        )
+    if not fields["units"]:
+        raise ValueError(
+            f"{module}: depth_config.units must name at least one stage, got ()."
+        )
+    bottleneck = check_bool(module, "depth_config.bottleneck", config.bottleneck)
+    return RevNetConfig(fields["units"], fields["channels"], bottleneck)
 
 
 def residual_function(
@@ -103,20 +138,30 @@ class RevNet(hk.Module):
           name: Name of the module.
 
         Raises:
-          ValueError: If ``depth_config`` is unknown or inconsistent.
+          TypeError: If ``depth_config`` is neither a string nor a
+            :class:`RevNetConfig` (or its fields have the wrong types),
+            ``num_classes`` is not an integer, ``reversible`` is not a bool, or
+            ``compute_dtype`` is not None or a floating point dtype.
+          ValueError: If ``depth_config`` is unknown or inconsistent, or
+            ``num_classes`` is not positive.
         """
+        check_name(type(self), name)
         super().__init__(name=name or "revnet")
+        module = self.module_name
         if isinstance(depth_config, str):
             if depth_config not in CONFIGS:
                 raise ValueError(
-                    f"{self.module_name}: unknown depth_config {depth_config!r}; "
+                    f"{module}: unknown depth_config {depth_config!r}; "
                     f"choose one of {sorted(CONFIGS)} or pass a RevNetConfig."
                 )
             depth_config = CONFIGS[depth_config]
-        config = depth_config
+        config = _check_config(module, depth_config)
+        num_classes = check_int(module, "num_classes", num_classes)
+        reversible = check_bool(module, "reversible", reversible)
+        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         if len(config.channels) != len(config.units) + 1:
             raise ValueError(
-                f"{self.module_name}: channels needs one entry for the initial "
+                f"{module}: channels needs one entry for the initial "
                 f"convolution and one per stage, got {config}."
             )
         self.config = config

@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from revnet.blocks import _tape
-from revnet.blocks._checks import check_input
+from revnet.blocks._checks import (
+    check_bool,
+    check_callable,
+    check_input,
+    check_int,
+    check_name,
+    show,
+)
 from revnet.blocks._lift import Lifted
 
 BlockFn = Callable[..., jax.Array]
@@ -219,25 +226,40 @@ class ReversibleSequence(hk.Module):
           name: Name of the module.
 
         Raises:
+          TypeError: If ``block_fn`` is neither a callable nor a list of
+            callables, ``num_layers`` is not an integer (a bool or a float), or
+            ``reversible`` is not a bool.
           ValueError: If ``num_layers`` is missing, not positive, or given with a
             list of block functions.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
-        self.reversible = reversible
+        module = self.module_name
+        self.reversible = check_bool(module, "reversible", reversible)
         if callable(block_fn):
-            if num_layers is None or int(num_layers) < 1:
+            if num_layers is None:
                 raise ValueError(
-                    f"{self.module_name}: num_layers must be a positive integer, got "
-                    f"{num_layers}."
+                    f"{module}: num_layers must be a positive integer with a single "
+                    "block_fn, got None."
                 )
-            self.num_layers = int(num_layers)
-            self._lifted = (Lifted(block_fn, self, "layers", num_stacked=num_layers),)
+            self.num_layers = check_int(module, "num_layers", num_layers)
+            self._lifted = (
+                Lifted(block_fn, self, "layers", num_stacked=self.num_layers),
+            )
         else:
+            expected = "a callable or a non-empty list of callables"
+            if isinstance(block_fn, (str, bytes)) or not isinstance(block_fn, Sequence):
+                raise TypeError(
+                    f"{module}: block_fn must be {expected}, got {show(block_fn)}."
+                )
             block_fns = list(block_fn)
+            for i, fn in enumerate(block_fns):
+                check_callable(module, f"block_fn[{i}]", fn)
             if num_layers is not None or not block_fns:
                 raise ValueError(
-                    f"{self.module_name}: with a list of block functions leave out "
-                    "num_layers, and give at least one function."
+                    f"{module}: with a list of block functions leave out "
+                    f"num_layers and give at least one function, got "
+                    f"{len(block_fns)} functions and num_layers={show(num_layers)}."
                 )
             self.num_layers = len(block_fns)
             self._lifted = tuple(

@@ -14,7 +14,14 @@ from typing import Any
 import haiku as hk
 import jax
 
-from revnet.blocks._checks import check_input
+from revnet.blocks._checks import (
+    check_bool,
+    check_float_dtype,
+    check_input,
+    check_int,
+    check_name,
+    check_real,
+)
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence
 
@@ -73,10 +80,26 @@ class ReversibleTransformer(hk.Module):
           name: Name of the module.
 
         Raises:
-          ValueError: If ``model_size`` is odd or its halves are not divisible by
-            ``num_heads``.
+          TypeError: If ``num_layers``, ``num_heads``, ``model_size`` or
+            ``mlp_size`` is not an integer, ``dropout_rate`` not a number,
+            ``reversible`` not a bool, or ``compute_dtype`` not None or a floating
+            point dtype.
+          ValueError: If an integer argument is not positive, ``dropout_rate`` is
+            not in ``[0, 1)``, ``model_size`` is odd or its halves are not
+            divisible by ``num_heads``.
         """
+        check_name(type(self), name)
         super().__init__(name=name)
+        module = self.module_name
+        num_layers = check_int(module, "num_layers", num_layers)
+        num_heads = check_int(module, "num_heads", num_heads)
+        model_size = check_int(module, "model_size", model_size)
+        mlp_size = check_int(module, "mlp_size", mlp_size)
+        dropout_rate = check_real(
+            module, "dropout_rate", dropout_rate, "a number in [0, 1)", 0.0, 1.0
+        )
+        reversible = check_bool(module, "reversible", reversible)
+        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         if model_size % 2 or (model_size // 2) % num_heads:
             raise ValueError(
                 f"{self.module_name}: model_size must be even and model_size // 2 "

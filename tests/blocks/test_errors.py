@@ -7,6 +7,7 @@ import re
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from revnet import blocks
@@ -105,3 +106,439 @@ def test_stage_transition_is_not_invertible():
 
     with pytest.raises(NotImplementedError, match="not invertible"):
         hk.transform(fn).init(None, jnp.ones([1, 2, 2, 4]))
+
+
+# --------------------------------------------------------------------------- #
+# Constructor arguments are checked up front: a one-line error that names the
+# module, the argument, the value and what was expected.
+
+_F = mlp([2])
+_TINY = blocks.RevNetConfig((1,), (4, 4))
+
+
+def _seq(**kw):
+    return blocks.ReversibleSequence(**{"block_fn": additive, "num_layers": 2, **kw})
+
+
+def _transformer(**kw):
+    return blocks.ReversibleTransformer(
+        **{**dict(num_layers=1, num_heads=2, model_size=8, mlp_size=8), **kw}
+    )
+
+
+# (module name, make, error, argument, shown value, expected words)
+ARGUMENT_CASES = [
+    (
+        "reversible_sequence",
+        lambda: _seq(num_layers=1.5),
+        TypeError,
+        "num_layers",
+        "1.5",
+        "integer",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(num_layers="3"),
+        TypeError,
+        "num_layers",
+        "'3'",
+        "integer",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(num_layers=True),
+        TypeError,
+        "num_layers",
+        "True",
+        "integer",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(num_layers=-2),
+        ValueError,
+        "num_layers",
+        "-2",
+        "positive",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(reversible="no"),
+        TypeError,
+        "reversible",
+        "'no'",
+        "bool",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(block_fn=3),
+        TypeError,
+        "block_fn",
+        "3",
+        "callable",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(block_fn="additive", num_layers=None),
+        TypeError,
+        "block_fn",
+        "'additive'",
+        "callable",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(block_fn=[additive, 3], num_layers=None),
+        TypeError,
+        "block_fn[1]",
+        "3",
+        "callable",
+    ),
+    (
+        "additive_coupling",
+        lambda: blocks.AdditiveCoupling(3, _F),
+        TypeError,
+        "f",
+        "3",
+        "callable",
+    ),
+    (
+        "additive_coupling",
+        lambda: blocks.AdditiveCoupling(_F, None),
+        TypeError,
+        "g",
+        "None",
+        "callable",
+    ),
+    (
+        "additive_coupling",
+        lambda: blocks.AdditiveCoupling(_F, _F, "int8"),
+        TypeError,
+        "compute_dtype",
+        "'int8'",
+        "floating point dtype",
+    ),
+    (
+        "additive_coupling",
+        lambda: blocks.AdditiveCoupling(_F, _F, "nonsense"),
+        TypeError,
+        "compute_dtype",
+        "'nonsense'",
+        "floating point dtype",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling("net"),
+        TypeError,
+        "net",
+        "'net'",
+        "callable",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale_bound="2"),
+        TypeError,
+        "scale_bound",
+        "'2'",
+        "positive",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale_bound=True),
+        TypeError,
+        "scale_bound",
+        "True",
+        "positive",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale_bound=float("inf")),
+        ValueError,
+        "scale_bound",
+        "inf",
+        "finite",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, compute_dtype=1.5),
+        TypeError,
+        "compute_dtype",
+        "1.5",
+        "dtype",
+    ),
+    ("squeeze", lambda: blocks.Squeeze(2.0), TypeError, "factor", "2.0", "integer"),
+    ("squeeze", lambda: blocks.Squeeze(0), ValueError, "factor", "0", "positive"),
+    ("squeeze", lambda: blocks.Squeeze(True), TypeError, "factor", "True", "integer"),
+    (
+        "channel_permutation",
+        lambda: blocks.ChannelPermutation(3),
+        TypeError,
+        "kind",
+        "3",
+        "'random' or 'reverse'",
+    ),
+    (
+        "channel_permutation",
+        lambda: blocks.ChannelPermutation(seed=1.0),
+        TypeError,
+        "seed",
+        "1.0",
+        "integer",
+    ),
+    (
+        "channel_permutation",
+        lambda: blocks.ChannelPermutation(seed=-1),
+        ValueError,
+        "seed",
+        "-1",
+        "non-negative",
+    ),
+    (
+        "channel_permutation",
+        lambda: blocks.ChannelPermutation(seed=2**32),
+        ValueError,
+        "seed",
+        str(2**32),
+        "below 2**32",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(8.0),
+        TypeError,
+        "output_channels",
+        "8.0",
+        "integer",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(8, stride="2"),
+        TypeError,
+        "stride",
+        "'2'",
+        "integer",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(8, stride=0),
+        ValueError,
+        "stride",
+        "0",
+        "positive",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(8, bottleneck=1),
+        TypeError,
+        "bottleneck",
+        "1",
+        "bool",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(8, bn_config=[1]),
+        TypeError,
+        "bn_config",
+        "[1]",
+        "dict",
+    ),
+    (
+        "stage_transition",
+        lambda: blocks.StageTransition(2, bottleneck=True),
+        ValueError,
+        "output_channels",
+        "2",
+        "at least 4",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, 10.0),
+        TypeError,
+        "num_classes",
+        "10.0",
+        "integer",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, True),
+        TypeError,
+        "num_classes",
+        "True",
+        "integer",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, 0),
+        ValueError,
+        "num_classes",
+        "0",
+        "positive",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(38, 10),
+        TypeError,
+        "depth_config",
+        "38",
+        "RevNetConfig",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(blocks.RevNetConfig((1.5,), (4, 4)), 10),
+        TypeError,
+        "depth_config.units[0]",
+        "1.5",
+        "integer",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(blocks.RevNetConfig((0,), (4, 4)), 10),
+        ValueError,
+        "depth_config.units[0]",
+        "0",
+        "positive",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(blocks.RevNetConfig((1,), (4, "4")), 10),
+        TypeError,
+        "depth_config.channels[1]",
+        "'4'",
+        "integer",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(blocks.RevNetConfig((1,), (4, 4), "yes"), 10),
+        TypeError,
+        "depth_config.bottleneck",
+        "'yes'",
+        "bool",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, 10, reversible=None),
+        TypeError,
+        "reversible",
+        "None",
+        "bool",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, 10, compute_dtype="int32"),
+        TypeError,
+        "compute_dtype",
+        "'int32'",
+        "floating point",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(num_layers=2.0),
+        TypeError,
+        "num_layers",
+        "2.0",
+        "integer",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(num_heads="2"),
+        TypeError,
+        "num_heads",
+        "'2'",
+        "integer",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(num_heads=0),
+        ValueError,
+        "num_heads",
+        "0",
+        "positive",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(model_size=8.0),
+        TypeError,
+        "model_size",
+        "8.0",
+        "integer",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(mlp_size=False),
+        TypeError,
+        "mlp_size",
+        "False",
+        "integer",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(dropout_rate=1.0),
+        ValueError,
+        "dropout_rate",
+        "1.0",
+        "[0, 1)",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(dropout_rate="0.1"),
+        TypeError,
+        "dropout_rate",
+        "'0.1'",
+        "[0, 1)",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(reversible=1),
+        TypeError,
+        "reversible",
+        "1",
+        "bool",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "module, make, error, arg, shown, expected",
+    ARGUMENT_CASES,
+    ids=[f"{c[0]}-{c[3]}-{c[4]}" for c in ARGUMENT_CASES],
+)
+def test_bad_constructor_argument_is_reported(
+    module, make, error, arg, shown, expected
+):
+    with pytest.raises(error) as info:
+        hk.transform(lambda: make()).init(None)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{module}: {arg} must be "), message
+    assert f"got {shown}" in message and expected in message, message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: blocks.AdditiveCoupling(_F, _F, name=3),
+        lambda: _seq(name=3),
+        lambda: blocks.RevNet("tiny", 10, name=3),
+    ],
+    ids=["coupling", "sequence", "revnet"],
+)
+def test_bad_module_name_is_reported(make):
+    # The module has no name yet: the message names its class.
+    with pytest.raises(
+        TypeError, match=r"^\w+: name must be a string or None, got 3\.$"
+    ):
+        hk.transform(lambda: make()).init(None)
+
+
+def test_numpy_arguments_are_accepted():
+    def fn(x):
+        seq = blocks.ReversibleSequence(
+            additive, np.int64(2), reversible=np.bool_(True)
+        )
+        return blocks.ChannelPermutation(seed=np.uint32(7))(
+            blocks.AffineCoupling(
+                mlp([4, 4]), scale_bound=np.float32(1.5), compute_dtype="float32"
+            )(seq(x))
+        )
+
+    x = jnp.ones([2, 4])
+    model = hk.transform(fn)
+    params = model.init(jax.random.PRNGKey(0), x)
+    assert model.apply(params, None, x).shape == (2, 4)
