@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
 
-.PHONY: test demo lint clean
+.PHONY: test demo fuzz lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ test: $(STAMP_TEST) $(STAMP_EXP)
 
 demo: $(STAMP_EXP)
 	$(PY) -m experiments.demo --quick --out results
+
+# Random programs against plain JAX (make test runs 2,000 of them): prints the
+# counts per construct and the first failures; exits 1 if a program was wrong.
+FUZZ_PROGRAMS ?= 20000
+FUZZ_SEED ?= 1
+FUZZ_JOBS ?= 2
+fuzz: $(STAMP_TEST)
+	$(PY) -m tests.fuzz_programs --programs $(FUZZ_PROGRAMS) --seed $(FUZZ_SEED) \
+		--jobs $(FUZZ_JOBS)
 
 lint: $(STAMP_TEST)
 	$(PY) -m pip install -q ruff
