@@ -328,7 +328,6 @@ def fingerprint(jaxpr: Jaxpr) -> Any:
     head = tuple((var(v), _aval_key(v.aval)) for v in jaxpr.invars)
     return (
         head,
-        tuple(_aval_key(v.aval) for v in jaxpr.invars),
         eqns,
         tuple(var(v) for v in jaxpr.outvars),
         tuple(_aval_key(v.aval) for v in jaxpr.outvars),
