@@ -369,6 +369,18 @@ def generic_section(name: str, res: dict[str, Any], out: str) -> str:
     return "\n".join(parts)
 
 
+def markdown_section(name: str, out: str) -> str | None:
+    """The experiment's own ``<name>.md`` table, if it wrote one."""
+    path = os.path.join(out, f"{name}.md")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().strip().splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return f"## {name} (`experiments.{name}`)\n" + "\n".join(lines)
+
+
 def write_report(out: str, runs: Sequence[dict[str, Any]] = ()) -> str:
     """Writes ``<out>/REPORT.md`` from whatever JSON files exist there.
 
@@ -387,8 +399,13 @@ def write_report(out: str, runs: Sequence[dict[str, Any]] = ()) -> str:
     }
     sections = []
     machine = None
-    for name in ("memory", "train", "numerics", "loops"):
+    for name in ("memory", "train", "numerics", "loops", "overhead"):
         res = _load(out, name)
+        own = markdown_section(name, out) if name not in known else None
+        if res is not None and own is not None:
+            machine = machine or res.get("machine")
+            sections.append(own)
+            continue
         if res is None:
             sections.append(f"## {name}\n\nNo `{name}.json` in this folder.")
             continue

@@ -1,8 +1,10 @@
 """revnet: reversible neural networks with invertible VJPs for JAX and Haiku."""
 
-from revnet._checks import set_runtime_checks
+from revnet import rules  # noqa: F401  (registers the built-in inverse rules)
+from revnet._engine import NotInvertibleError, register_inverse
+from revnet._engine.checks import set_runtime_checks
 from revnet.invertible import inverse, invertible
-from revnet.ivjp import NotInvertibleError, custom_ivjp, register_inverse
+from revnet.ivjp import custom_ivjp
 from revnet.loops import scan, while_loop
 
 __version__ = "0.1.0"

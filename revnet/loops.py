@@ -47,28 +47,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from revnet import _checks, _jaxpr
-from revnet.invertible import (
-    _analyze,
-    _error,
-    _fill_cts,
-    _float_or_none,
-    _run_plan,
-    _run_scan,
-    _Scan,
-    _Stuck,
-    _zeros_ct,
+from revnet._engine import (
+    Body,
+    ScanParams,
+    Stuck,
+    analyze,
+    aval,
+    not_invertible,
+    scan_function,
+    trace,
+    while_function,
 )
 
 __all__ = ["scan", "while_loop"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
-# Testing aid (see ``_record_backward_steps`` in the tests): callbacks that, when
-# present while a backward pass is traced, receive the remaining-step counter of
-# every backward iteration at run time.
+# Testing aid: callbacks given each backward iteration's remaining-step counter.
 _BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
 
 
@@ -88,7 +84,7 @@ def _leaf_paths(prefix: str, tree: Any) -> list[str]:
 
 
 def _avals(vars_: Any) -> list[Any]:
-    return [_jaxpr.aval(v) for v in vars_]
+    return [aval(v) for v in vars_]
 
 
 def _describe(avals: Any) -> str:
@@ -110,17 +106,6 @@ def _check_carry(
                 f"{fname} must return a carry with the same shapes and dtypes as its "
                 f"input: got ({_describe(out_avals)}), expected ({_describe(in_avals)})"
             )
-
-
-def _zero_cts(avals: list) -> list:
-    """Zero cotangents, ``float0`` for the integer (or key) ones."""
-    return [_zeros_ct(a) for a in avals]
-
-
-def _add_cts(acc: list, new: list) -> list:
-    return [
-        None if a is None else (a if b is None else a + b) for a, b in zip(acc, new)
-    ]
 
 
 def _show(value: Any) -> str:
@@ -260,94 +245,26 @@ def while_loop(
         return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
 
     leaves = _promoted_carry(flat_body, leaves, [])
-    body_jaxpr, body_consts, _ = _jaxpr.trace(flat_body, leaves)
+    body_jaxpr, body_consts, _ = trace(flat_body, leaves)
     nk = len(body_consts)
     carry_avals = _avals(body_jaxpr.invars[nk:])
     _check_carry(bname, tree, out_tree_box[-1], carry_avals, _avals(body_jaxpr.outvars))
-    cond_jaxpr, cond_consts, _ = _jaxpr.trace(flat_cond, leaves)
+    cond_jaxpr, cond_consts, _ = trace(flat_cond, leaves)
     pred = _avals(cond_jaxpr.outvars)
     if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
         raise TypeError(
             f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
         )
     try:
-        plan = _analyze(
+        plan = analyze(
             body_jaxpr, (True,) * nk + (False,) * len(leaves), (True,) * len(leaves)
         )
-    except _Stuck as stuck:
-        raise _error(stuck, _leaf_paths("init_val", init_val), nk, bname) from None
-    run = _make_while(body_jaxpr, cond_jaxpr, plan, nk, bound)
+    except Stuck as stuck:
+        paths = _leaf_paths("init_val", init_val)
+        raise not_invertible(stuck, paths, nk, bname) from None
+    run = while_function(body_jaxpr, cond_jaxpr, plan, nk, bound, _BACKWARD_STEP_HOOKS)
     final = run(list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
-
-
-def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, bound: int | None):
-    """The custom-VJP function ``run(body_consts, cond_consts, carry) -> carry``."""
-    body = _jaxpr.Body(body_jaxpr, ())
-    cond = _jaxpr.Body(cond_jaxpr, ())
-    k_avals = _avals(body_jaxpr.invars[:nk])
-    c_avals = _avals(body_jaxpr.invars[nk:])
-    q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
-
-    def forward(bk, ck, carry):
-        def go(state):
-            n, c = state
-            p = _jaxpr.eval_body(cond, *ck, *c)[0]
-            return p if bound is None else jnp.logical_and(p, n < bound)
-
-        def step(state):
-            n, c = state
-            return n + 1, _jaxpr.eval_body(body, *bk, *c)
-
-        return lax.while_loop(go, step, (jnp.zeros((), jnp.int32), list(carry)))
-
-    @jax.custom_vjp
-    def run(bk, ck, carry):
-        return forward(bk, ck, carry)[1]
-
-    def fwd(bk, ck, carry):
-        n, final = forward(bk, ck, carry)
-        return final, (bk, final, n)
-
-    def bwd(res, cts):
-        bk, final, n = res
-        hooks = tuple(_BACKWARD_STEP_HOOKS)
-
-        def go(state):
-            return state[0] > 0
-
-        messages: list[str] = []
-
-        def step(state):
-            m, c, ctc, ctk, bad = state
-            for hook in hooks:
-                jax.debug.callback(hook, m)
-            with _checks.scope() as sc:
-                prev, in_cts = _run_plan(plan, list(bk), list(c), list(ctc))
-            bad = _checks.merge(bad, sc, messages)
-            in_cts = _float_or_none(in_cts, k_avals + c_avals)
-            return m - 1, prev, in_cts[nk:], _add_cts(ctk, in_cts[:nk]), bad
-
-        state = (
-            n,
-            list(final),
-            _float_or_none(list(cts), c_avals),
-            _float_or_none([None] * nk, k_avals),
-            jnp.int32(-1) if _checks.enabled() else None,
-        )
-        with _checks.scope() as top:
-            _, _, ct_init, ct_k, bad = lax.while_loop(go, step, state)
-            _checks.record_index(bad, messages)
-        _checks.raise_if_failed(top)
-        return (
-            _fill_cts(ct_k, k_avals),
-            _zero_cts(q_avals),
-            _fill_cts(ct_init, c_avals),
-        )
-
-    bwd._revnet_loop = "while_loop"  # read by the analysis (see invertible.py)
-    run.defvjp(fwd, bwd)
-    return run
 
 
 # --------------------------------------------------------------------------- #
@@ -508,7 +425,7 @@ def scan(
         return out[: trees[-1][1].num_leaves]
 
     c_leaves = _promoted_carry(carry_of_f, c_leaves, x_slices)
-    jaxpr, consts, _ = _jaxpr.trace(flat_f, c_leaves + x_slices)
+    jaxpr, consts, _ = trace(flat_f, c_leaves + x_slices)
     nk = len(consts)
     out_tree, c_out_tree = trees[-1]
     _check_carry(
@@ -520,67 +437,13 @@ def scan(
     )
     nx = len(x_leaves)
     try:
-        plan = _analyze(
+        plan = analyze(
             jaxpr,
             (True,) * nk + (False,) * nc + (True,) * nx,
             (True,) * len(jaxpr.outvars),
         )
-    except _Stuck as stuck:
-        raise _error(stuck, _leaf_paths("init", init), nk, fname) from None
-    params = _jaxpr.ScanParams(
-        _jaxpr.Body(jaxpr, ()), nk, nc, n, reverse, unroll=unroll
-    )
-    step = _Scan(
-        -1, (), params, plan, (True,) * nx, (True,) * (len(jaxpr.outvars) - nc)
-    )
-    run = _make_scan(step)
+    except Stuck as stuck:
+        raise not_invertible(stuck, _leaf_paths("init", init), nk, fname) from None
+    run = scan_function(ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll), plan)
     final, ys = run(list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))
-
-
-def _make_scan(step: _Scan):
-    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
-    sp = step.params
-    nk, nc = sp.num_consts, sp.num_carry
-    invars = sp.body.jaxpr.invars
-    k_avals = _avals(invars[:nk])
-    c_avals = _avals(invars[nk : nk + nc])
-    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc :])]
-
-    def forward(consts, init, xs):
-        def body(c, x):
-            out = _jaxpr.eval_body(sp.body, *consts, *c, *x)
-            return out[:nc], out[nc:]
-
-        return lax.scan(
-            body,
-            list(init),
-            list(xs),
-            length=sp.length,
-            reverse=sp.reverse,
-            unroll=sp.unroll,
-        )
-
-    @jax.custom_vjp
-    def run(consts, init, xs):
-        return forward(consts, init, xs)
-
-    def fwd(consts, init, xs):
-        final, ys = forward(consts, init, xs)
-        return (final, ys), (consts, xs, final, ys)
-
-    def bwd(res, cts):
-        consts, xs, final, ys = res
-        ct_final, ct_ys = cts
-        known = list(consts) + [None] * nc + list(xs)
-        with _checks.scope() as top:
-            _, in_cts = _run_scan(
-                step, known, list(final) + list(ys), list(ct_final) + list(ct_ys)
-            )
-        _checks.raise_if_failed(top)
-        in_cts = _fill_cts(in_cts, k_avals + c_avals + x_avals)
-        return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
-
-    bwd._revnet_loop = "scan"  # read by the analysis (see invertible.py)
-    run.defvjp(fwd, bwd)
-    return run

@@ -19,5 +19,5 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("REVNET_HYPOTHESIS_PROFILE", "ci"))
 
-# Run-time reconstruction checks (revnet/_checks.py) are on for the whole suite.
+# Run-time reconstruction checks (revnet/_engine/checks.py) are on for the whole suite.
 os.environ.setdefault("REVNET_RUNTIME_CHECKS", "1")

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
-from revnet import _checks
 
 # Relative tolerances, measured against the largest value of each compared tree.
 RTOL = {jnp.dtype("float32"): 1e-5, jnp.dtype("float64"): 1e-10}
@@ -92,8 +91,8 @@ def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0)
 def runtime_checks(enabled: bool):
     """Sets revnet's run-time checks inside the block (cost tests measure the
     default, checks off); the suite's setting comes back afterwards."""
-    _checks.set_runtime_checks(enabled)
+    revnet.set_runtime_checks(enabled)
     try:
         yield
     finally:
-        _checks.set_runtime_checks(None)
+        revnet.set_runtime_checks(None)

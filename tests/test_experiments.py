@@ -76,7 +76,9 @@ def test_memory_tiny(tmp_path):
     assert rev[-1] < ckpt[-1] < std[-1]
     # The checkpoint baseline really rematerialises the couplings.
     assert by["checkpoint", top]["remat_calls_at_trace"] > 0
-    assert by["reversible", top]["flops_ratio"] <= 1.40
+    # Fused backward: RevNet's 4/3 of backprop (the transformer's is in
+    # tests/blocks/test_cost.py).
+    assert by["reversible", top]["flops_ratio"] <= 1.34
     summary = res["summary"]["mlp"]
     assert summary["standard_over_reversible_temp"] >= 10
     # The generic @invertible path costs what the hand-built sequence costs.

@@ -20,8 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from revnet import loops
-from revnet.ivjp import NotInvertibleError
+from revnet import NotInvertibleError, loops
 from revnet.loops import scan, while_loop
 
 RTOL = {jnp.float32: 1e-5, jnp.float64: 1e-10}

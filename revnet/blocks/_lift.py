@@ -1,11 +1,12 @@
 """Lifting Haiku functions into pure functions of explicit parameters.
 
-Haiku cannot put a ``jax.custom_vjp`` (or any JAX transform) around module code
-that creates parameters. The blocks therefore run each residual function through
-an inner ``hk.transform_with_state``, register its parameters and state in the
-enclosing module with ``hk.lift_with_state``, and call the pure ``apply`` with
-explicit ``(params, state, rng, x)``. The backward pass can then re-run and
-differentiate the very same pure function.
+Haiku cannot put a JAX transform (such as :func:`revnet.invertible` or
+:func:`revnet.inverse`) around module code that creates parameters. The blocks
+therefore run each Haiku function through an inner ``hk.transform_with_state``,
+register its parameters and state in the enclosing module with
+``hk.lift_with_state``, and call the pure ``apply`` with explicit
+``(params, state, rng, x)``. The core can then trace, invert and differentiate
+that pure function like any other.
 
 :class:`Lifted` must be constructed in a module's ``__init__`` (never in a
 helper method: Haiku would then put ``~_method`` into the parameter paths and

@@ -1,22 +1,25 @@
 """Coupling layers: the invertible building blocks of reversible networks.
 
-Both couplings split the last axis into two halves. Their residual functions
-are ordinary Haiku code, lifted into pure functions (see ``_lift.py``), so that
-a :class:`~revnet.blocks.ReversibleSequence` can rebuild each block's input from
-its output and take the VJP of the very same evaluations in one fused pass.
-Applied on their own, the couplings differentiate like any Haiku module.
+Both couplings split the last axis into two halves and are plain ``jnp`` code
+around their residual functions. The residual functions are ordinary Haiku
+code, lifted into pure functions of explicit parameters, state and RNG keys
+(see ``_lift.py``), so that the couplings' :meth:`inverse` methods can hand the
+very same forward computation to :func:`revnet.inverse`. Inside a
+:class:`~revnet.blocks.ReversibleSequence` the core inverts a coupling like any
+other code; applied on their own, the couplings differentiate like any Haiku
+module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from revnet.blocks import _tape
+import revnet
 from revnet.blocks._checks import (
     check_callable,
     check_float_dtype,
@@ -25,15 +28,20 @@ from revnet.blocks._checks import (
     check_real,
     check_splittable,
 )
-from revnet.blocks._lift import Lifted, PureApply
+from revnet.blocks._lift import Lifted
 
 _EXPECTED = "[batch, ..., 2 * half_channels]"
 
 
 def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Splits the last axis of ``x`` into two equal halves."""
-    half = x.shape[-1] // 2
-    return x[..., :half], x[..., half:]
+    """Splits the last axis of ``x`` into two equal halves.
+
+    One ``split`` rather than two slices: its inverse and its VJP are one
+    concatenation, where the slices' VJPs are a sum of two pads, which XLA
+    schedules worse in unrolled chains of blocks (memory that grows with depth).
+    """
+    a, b = jnp.split(x, 2, axis=-1)
+    return a, b
 
 
 def join_halves(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -53,63 +61,10 @@ def rng_keys(num: int) -> tuple[jax.Array | None, ...]:
     return tuple(jax.random.split(key, num))
 
 
-def apply_rule(
-    rule: _tape.Rule,
-    params: Any,
-    aux: Any,
-    x: Any,
-    lifted: tuple[Lifted, ...],
-) -> Any:
-    """Applies ``rule`` forward and writes back new state, or records a step."""
-    if _tape.is_recording():
-        return _tape.emit(rule, params, aux, x)
-    y, new_state = rule.forward(params, aux, x)
-    for fn, state in zip(lifted, new_state, strict=True):
-        fn.update_state(state)
-    return y
-
-
-class AdditiveRule(NamedTuple):
-    """Pure additive coupling ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``.
-
-    ``params`` is ``(params_f, params_g)``, ``aux`` is
-    ``(state_f, state_g, rng_f, rng_g)``.
-    """
-
-    f: PureApply
-    g: PureApply
-    name: str
-
-    def forward(self, params, aux, x):
-        (pf, pg), (sf, sg, kf, kg) = params, aux
-        x1, x2 = split_halves(x)
-        fx, sf = self.f(pf, sf, kf, x2)
-        check_output(self.name, "f", fx, x1.shape)
-        y1 = x1 + fx
-        gy, sg = self.g(pg, sg, kg, y1)
-        check_output(self.name, "g", gy, x2.shape)
-        return join_halves(y1, x2 + gy), (sf, sg)
-
-    def inverse(self, params, aux, y):
-        (pf, pg), (sf, sg, kf, kg) = params, aux
-        y1, y2 = split_halves(y)
-        x2 = y2 - self.g(pg, sg, kg, y1)[0]
-        x1 = y1 - self.f(pf, sf, kf, x2)[0]
-        return join_halves(x1, x2)
-
-    def backward(self, params, aux, y, dy):
-        (pf, pg), (sf, sg, kf, kg) = params, aux
-        y1, y2 = split_halves(y)
-        dy1, dy2 = split_halves(dy)
-        # The evaluation of g that rebuilds x2 is the one whose VJP is taken.
-        gy, g_vjp = jax.vjp(lambda p, h: self.g(p, sg, kg, h)[0], pg, y1)
-        x2 = y2 - gy
-        dpg, dy1_from_g = g_vjp(dy2)
-        dy1 = dy1 + dy1_from_g
-        fx, f_vjp = jax.vjp(lambda p, h: self.f(p, sf, kf, h)[0], pf, x2)
-        x1 = y1 - fx
-        dpf, dx2_from_f = f_vjp(dy1)
-        return join_halves(x1, x2), join_halves(dy1, dy2 + dx2_from_f), (dpf, dpg)
+def invert(forward: Callable[[jax.Array], jax.Array], y: jax.Array) -> jax.Array:
+    """Runs the shape-preserving pure function ``forward`` backwards from ``y``."""
+    (x,) = revnet.inverse(forward, y)(y)
+    return x
 
 
 class AdditiveCoupling(hk.Module):
@@ -164,21 +119,37 @@ class AdditiveCoupling(hk.Module):
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         self._f = Lifted(f, self, "f", compute_dtype)
         self._g = Lifted(g, self, "g", compute_dtype)
-        self._rule = AdditiveRule(self._f.apply, self._g.apply, self.module_name)
 
-    def _params_and_aux(self, x: Any) -> tuple[Any, Any]:
-        half = check_splittable(self.module_name, x, _EXPECTED)
+    def _forward(self, x: Any) -> Callable[[jax.Array], tuple[jax.Array, Any]]:
+        """Fetches (or creates) the parameters, state and keys; returns the pure
+        coupling ``h -> (y, (new_state_f, new_state_g))``."""
+        module = self.module_name
+        half = check_splittable(module, x, _EXPECTED)
         # At init, g is created from x1, which has the shape of y1.
         x1 = x[..., :half] if hk.running_init() else None
         x2 = x[..., half:] if hk.running_init() else None
         pf, sf = self._f.params_and_state(x2)
         pg, sg = self._g.params_and_state(x1)
-        return (pf, pg), (sf, sg, *rng_keys(2))
+        kf, kg = rng_keys(2)
+        f, g = self._f.apply, self._g.apply
+
+        def additive_coupling(h):
+            h1, h2 = split_halves(h)
+            fx, new_sf = f(pf, sf, kf, h2)
+            check_output(module, "f", fx, h1.shape)
+            y1 = h1 + fx
+            gy, new_sg = g(pg, sg, kg, y1)
+            check_output(module, "g", gy, h2.shape)
+            return join_halves(y1, h2 + gy), (new_sf, new_sg)
+
+        return additive_coupling
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
-        params, aux = self._params_and_aux(x)
-        return apply_rule(self._rule, params, aux, x, (self._f, self._g))
+        y, (state_f, state_g) = self._forward(x)(x)
+        self._f.update_state(state_f)
+        self._g.update_state(state_g)
+        return y
 
     def inverse(self, y: jax.Array) -> jax.Array:
         """Rebuilds the input from the output ``y`` (same RNG key as the call).
@@ -193,63 +164,8 @@ class AdditiveCoupling(hk.Module):
           ValueError: If the last axis of ``y`` is odd or ``y`` has rank < 2.
           TypeError: If ``y`` is not floating point.
         """
-        params, aux = self._params_and_aux(y)
-        return self._rule.inverse(params, aux, y)
-
-
-class AffineRule(NamedTuple):
-    """Pure affine coupling ``y1 = x1``, ``y2 = x2 * exp(s(x1)) + t(x1)``.
-
-    ``params`` is the net's parameters, ``aux`` is ``(state, rng)``.
-    """
-
-    net: PureApply
-    scale_bound: float | None
-    name: str
-
-    def scale_and_shift(self, params, aux, x1, half):
-        """Returns ``((s, t), new_state)`` with ``s`` softly bounded."""
-        state, key = aux
-        h, state = self.net(params, state, key, x1)
-        check_output(self.name, "net", h, x1.shape[:-1] + (2 * half,))
-        raw, t = split_halves(h)
-        if self.scale_bound is None:
-            return (raw, t), state
-        bound = self.scale_bound
-        return (bound * jnp.tanh(raw / bound), t), state
-
-    def forward_and_log_det(self, params, aux, x):
-        """Returns ``(y, new_state, log_det)``; ``log_det`` has shape ``[batch]``."""
-        x1, x2 = split_halves(x)
-        (s, t), state = self.scale_and_shift(params, aux, x1, x2.shape[-1])
-        log_det = jnp.sum(s.reshape(s.shape[0], -1), axis=-1)
-        return join_halves(x1, x2 * jnp.exp(s) + t), state, log_det
-
-    def forward(self, params, aux, x):
-        y, state, _ = self.forward_and_log_det(params, aux, x)
-        return y, (state,)
-
-    def inverse(self, params, aux, y):
-        y1, y2 = split_halves(y)
-        (s, t), _ = self.scale_and_shift(params, aux, y1, y2.shape[-1])
-        return join_halves(y1, (y2 - t) * jnp.exp(-s))
-
-    def backward(self, params, aux, y, dy):
-        y1, y2 = split_halves(y)
-        dy1, dy2 = split_halves(dy)
-        half = y2.shape[-1]
-        (s, t), st_vjp = jax.vjp(
-            lambda p, h: self.scale_and_shift(p, aux, h, half)[0], params, y1
-        )
-        scale = jnp.exp(s)
-        shifted = y2 - t  # == x2 * exp(s)
-        x2 = shifted / scale
-        dparams, dx1_from_net = st_vjp((dy2 * shifted, dy2))
-        return (
-            join_halves(y1, x2),
-            join_halves(dy1 + dx1_from_net, dy2 * scale),
-            dparams,
-        )
+        forward = self._forward(y)
+        return invert(lambda h: forward(h)[0], y)
 
 
 class AffineCoupling(hk.Module):
@@ -313,18 +229,33 @@ class AffineCoupling(hk.Module):
             )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         self._net = Lifted(net, self, "net", compute_dtype)
-        self._rule = AffineRule(self._net.apply, scale_bound, self.module_name)
+        self.scale_bound = scale_bound
 
-    def _params_and_aux(self, x: Any) -> tuple[Any, Any]:
-        half = check_splittable(self.module_name, x, _EXPECTED)
+    def _forward(self, x: Any) -> Callable[[jax.Array], tuple[Any, Any]]:
+        """Fetches (or creates) the parameters, state and key; returns the pure
+        coupling ``h -> ((y, log_det), new_state)``."""
+        module = self.module_name
+        half = check_splittable(module, x, _EXPECTED)
         x1 = x[..., :half] if hk.running_init() else None
         params, state = self._net.params_and_state(x1)
-        return params, (state, *rng_keys(1))
+        (key,) = rng_keys(1)
+        net, bound = self._net.apply, self.scale_bound
+
+        def affine_coupling(h):
+            h1, h2 = split_halves(h)
+            out, new_state = net(params, state, key, h1)
+            check_output(module, "net", out, h1.shape[:-1] + (2 * h2.shape[-1],))
+            s, t = split_halves(out)
+            if bound is not None:
+                s = bound * jnp.tanh(s / bound)
+            log_det = jnp.sum(s.reshape(s.shape[0], -1), axis=-1)
+            return (join_halves(h1, h2 * jnp.exp(s) + t), log_det), new_state
+
+        return affine_coupling
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
-        params, aux = self._params_and_aux(x)
-        return apply_rule(self._rule, params, aux, x, (self._net,))
+        return self.forward_and_log_det(x)[0]
 
     def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Applies the coupling and returns the log-determinant of its Jacobian.
@@ -340,8 +271,7 @@ class AffineCoupling(hk.Module):
           ValueError: If the last axis of ``x`` is odd or ``x`` has rank < 2.
           TypeError: If ``x`` is not floating point.
         """
-        params, aux = self._params_and_aux(x)
-        y, state, log_det = self._rule.forward_and_log_det(params, aux, x)
+        (y, log_det), state = self._forward(x)(x)
         self._net.update_state(state)
         return y, log_det
 
@@ -358,5 +288,5 @@ class AffineCoupling(hk.Module):
           ValueError: If the last axis of ``y`` is odd or ``y`` has rank < 2.
           TypeError: If ``y`` is not floating point.
         """
-        params, aux = self._params_and_aux(y)
-        return self._rule.inverse(params, aux, y)
+        forward = self._forward(y)
+        return invert(lambda h: forward(h)[0][0], y)

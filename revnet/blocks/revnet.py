@@ -4,8 +4,9 @@ Network: Backpropagation Without Storing Activations").
 Each stage is a :class:`~revnet.blocks.ReversibleSequence` of additive
 couplings whose residual functions are pre-activation convolution units with
 BatchNorm, as in the paper. Between stages a non-reversible
-:class:`~revnet.blocks.StageTransition` (a strided convolution) changes the
-resolution and width; it stores its input, as in the paper.
+:class:`StageTransition` (a strided convolution) changes the resolution and
+width; like any Haiku module it stores its input, as in the paper (there are
+only a few such units per network).
 """
 
 from __future__ import annotations
@@ -23,14 +24,139 @@ from revnet.blocks._checks import (
     check_float_dtype,
     check_input,
     check_int,
+    check_mapping,
     check_name,
     show,
 )
 from revnet.blocks.coupling import AdditiveCoupling
-from revnet.blocks.layers import StageTransition, conv_stack
 from revnet.blocks.sequence import ReversibleSequence
 
 _BN = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
+
+
+def conv_stack(
+    h: jax.Array,
+    is_training: bool,
+    output_channels: int,
+    bottleneck: bool = False,
+    stride: int = 1,
+    bn_config: dict[str, Any] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pre-activation convolutions: (BatchNorm, ReLU, conv) two or three times.
+
+    Args:
+      h: Input of shape ``[batch, height, width, channels]``.
+      is_training: Whether BatchNorm uses batch statistics (and updates state).
+      output_channels: Channels of the output.
+      bottleneck: 1x1 -> 3x3 -> 1x1 convolutions (inner width
+        ``output_channels // 4``) instead of two 3x3 convolutions.
+      stride: Stride of the first 3x3 convolution.
+      bn_config: Keyword arguments of ``hk.BatchNorm`` (defaults: scale and
+        offset, ``decay_rate=0.9``).
+
+    Returns:
+      ``(output, preactivation)``, the latter being the first
+      ``relu(batch_norm(h))`` (for a projection shortcut).
+    """
+    bn_config = {**_BN, **(bn_config or {})}
+    if bottleneck:
+        inner = output_channels // 4
+        kernels, widths, strides = (
+            (1, 3, 1),
+            (inner, inner, output_channels),
+            (1, stride, 1),
+        )
+    else:
+        kernels, widths, strides = (3, 3), (output_channels,) * 2, (stride, 1)
+    preactivation = None
+    layers = zip(kernels, widths, strides, strict=True)
+    for i, (kernel, width, layer_stride) in enumerate(layers):
+        h = jax.nn.relu(hk.BatchNorm(**bn_config, name=f"bn_{i}")(h, is_training))
+        preactivation = h if preactivation is None else preactivation
+        h = hk.Conv2D(width, kernel, stride=layer_stride, name=f"conv_{i}")(h)
+    return h, preactivation
+
+
+class StageTransition(hk.Module):
+    """RevNet's non-reversible downsampling unit between stages.
+
+    A pre-activation residual unit (see :func:`conv_stack`) whose first 3x3
+    convolution is strided, with a strided 1x1 projection shortcut. It changes
+    the number of channels and the resolution, so it cannot be inverted: like
+    any Haiku module, it stores its input for the backward pass (RevNet does the
+    same; there are only a few such units per network).
+
+    Example:
+
+    >>> net = hk.transform_with_state(lambda x: StageTransition(8, 2)(x, True))
+    >>> x = jnp.ones([2, 8, 8, 4])
+    >>> params, state = net.init(jax.random.PRNGKey(0), x)
+    >>> net.apply(params, state, None, x)[0].shape
+    (2, 4, 4, 8)
+    """
+
+    def __init__(
+        self,
+        output_channels: int,
+        stride: int = 2,
+        bottleneck: bool = False,
+        bn_config: dict[str, Any] | None = None,
+        name: str | None = None,
+    ):
+        """Constructs the unit.
+
+        Args:
+          output_channels: Channels of the output.
+          stride: Spatial stride.
+          bottleneck: Whether to use a 1x1 -> 3x3 -> 1x1 bottleneck.
+          bn_config: Keyword arguments of ``hk.BatchNorm``.
+          name: Name of the module.
+
+        Raises:
+          TypeError: If ``output_channels`` or ``stride`` is not an integer,
+            ``bottleneck`` not a bool, or ``bn_config`` not a dict or None.
+          ValueError: If ``output_channels`` or ``stride`` is not positive, or
+            ``bottleneck`` is set and ``output_channels`` is below 4.
+        """
+        check_name(type(self), name)
+        super().__init__(name=name)
+        module = self.module_name
+        self.output_channels = check_int(module, "output_channels", output_channels)
+        self.stride = check_int(module, "stride", stride)
+        self.bottleneck = check_bool(module, "bottleneck", bottleneck)
+        self.bn_config = check_mapping(module, "bn_config", bn_config)
+        if self.bottleneck and self.output_channels < 4:
+            raise ValueError(
+                f"{module}: output_channels must be at least 4 with bottleneck "
+                f"(inner width output_channels // 4), got {self.output_channels}."
+            )
+
+    def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
+        """Downsamples ``x`` of shape ``[batch, height, width, channels]``."""
+        check_input(self.module_name, x, rank=4, expected="[batch, h, w, channels]")
+        h, preactivation = conv_stack(
+            x,
+            is_training,
+            self.output_channels,
+            bottleneck=self.bottleneck,
+            stride=self.stride,
+            bn_config=self.bn_config,
+        )
+        shortcut = hk.Conv2D(
+            self.output_channels, 1, stride=self.stride, with_bias=False, name="proj"
+        )(preactivation)
+        return h + shortcut
+
+    def inverse(self, y: jax.Array, is_training: bool = False) -> jax.Array:
+        """Always raises: a strided convolution has no inverse.
+
+        Raises:
+          NotImplementedError: Always.
+        """
+        raise NotImplementedError(
+            f"{self.module_name}: a strided stage transition is not invertible; "
+            "use Squeeze for invertible downsampling."
+        )
 
 
 class RevNetConfig(NamedTuple):

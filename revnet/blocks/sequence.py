@@ -1,12 +1,20 @@
 """ReversibleSequence: a stack of invertible blocks with O(1) activation memory.
 
-The layers' parameters are stacked on a leading axis (as ``hk.layer_stack``
-does) and run with ``lax.scan``. In reversible mode the whole stack is ONE
-``jax.custom_vjp``: its forward pass saves only the final output (parameters,
-state and RNG keys are inputs anyway), and its backward pass is a reverse
-``lax.scan`` that, per block, rebuilds the block's input from its output and
-takes the VJP of the same evaluations (see ``coupling.AdditiveRule.backward``).
-Activation memory and compile time are therefore independent of depth.
+A block is any Haiku function whose computation the core can run backwards
+equation by equation: plain ``jnp`` code and ordinary Haiku modules
+(``hk.Linear``, ``hk.nets.MLP``, ``hk.Conv2D``, ``hk.BatchNorm``,
+``hk.dropout``) inside residual functions, or revnet's couplings.
+
+The block's ``init``/``apply`` are lifted out of Haiku (``_lift.py``): one
+independently initialised copy of its parameters and state per layer, stacked
+on a leading axis as ``hk.layer_stack`` does. The layers then run in a
+``lax.scan`` over that axis inside ONE :func:`revnet.invertible` function, which
+closes over the parameters, the state and one RNG key per layer. The core saves
+only the stack's outputs and builds one reverse scan for the backward pass that
+rebuilds each layer's input from its output while it computes the cotangents,
+so activation memory and compile time do not grow with depth. New state
+(BatchNorm statistics) is an output of the forward pass only; the per-layer
+keys are explicit, so dropout is replayed exactly.
 
 With ``reversible=False`` the very same parameters run through the very same
 forward scan under ordinary autodiff: the honest baseline.
@@ -15,14 +23,13 @@ forward scan under ordinary autodiff: the honest baseline.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from revnet.blocks import _tape
+import revnet
 from revnet.blocks._checks import (
     check_bool,
     check_callable,
@@ -31,146 +38,9 @@ from revnet.blocks._checks import (
     check_name,
     show,
 )
-from revnet.blocks._lift import Lifted
+from revnet.blocks._lift import Lifted, PureApply
 
 BlockFn = Callable[..., jax.Array]
-
-
-class BlockRule(NamedTuple):
-    """One shape-preserving block, run through its Haiku ``apply``.
-
-    ``aux`` is ``(state, rng)``.
-    """
-
-    apply: Callable[..., tuple[jax.Array, Any]]
-    name: str
-
-    def forward(self, params, aux, x):
-        state, key = aux
-        y, state = self.apply(params, state, key, x)
-        if y.shape != x.shape or y.dtype != x.dtype:
-            raise ValueError(
-                f"{self.name}: each block must preserve its input's shape and dtype; "
-                f"got {x.shape} {x.dtype} -> {y.shape} {y.dtype}."
-            )
-        return y, state
-
-    def _record(self, aux, spec):
-        state, key = aux
-        return lambda p: _tape.trace(lambda h: self.apply(p, state, key, h)[0], spec)
-
-    def inverse(self, params, aux, y):
-        return _tape.inverse(self._record(aux, y)(params), y)
-
-    def backward(self, params, aux, y, dy):
-        return _tape.fused_backward(self._record(aux, y), params, y, dy)
-
-
-class ScanRule(NamedTuple):
-    """``num_layers`` copies of one block, parameters stacked on axis 0.
-
-    ``aux`` is ``(stacked_state, stacked_rng)``.
-    """
-
-    layer: BlockRule
-
-    def forward(self, params, aux, x):
-        def body(h, layer_args):
-            p, s, k = layer_args
-            return self.layer.forward(p, (s, k), h)
-
-        return jax.lax.scan(body, x, (params, *aux))
-
-    def inverse(self, params, aux, y):
-        def body(h, layer_args):
-            p, s, k = layer_args
-            return self.layer.inverse(p, (s, k), h), None
-
-        return jax.lax.scan(body, y, (params, *aux), reverse=True)[0]
-
-    def backward(self, params, aux, y, dy):
-        def body(carry, layer_args):
-            p, s, k = layer_args
-            x, dx, dp = self.layer.backward(p, (s, k), *carry)
-            return (x, dx), dp
-
-        (x, dx), dparams = jax.lax.scan(body, (y, dy), (params, *aux), reverse=True)
-        return x, dx, dparams
-
-
-class ChainRule(NamedTuple):
-    """Different blocks one after another; ``params`` and ``aux`` are tuples."""
-
-    layers: tuple[BlockRule, ...]
-
-    def forward(self, params, aux, x):
-        states = []
-        for layer, p, s, k in zip(self.layers, params, *aux, strict=True):
-            x, s = layer.forward(p, (s, k), x)
-            states.append(s)
-        return x, tuple(states)
-
-    def inverse(self, params, aux, y):
-        for layer, p, s, k in reversed(
-            list(zip(self.layers, params, *aux, strict=True))
-        ):
-            y = layer.inverse(p, (s, k), y)
-        return y
-
-    def backward(self, params, aux, y, dy):
-        grads = []
-        for layer, p, s, k in reversed(
-            list(zip(self.layers, params, *aux, strict=True))
-        ):
-            y, dy, dp = layer.backward(p, (s, k), y, dy)
-            grads.append(dp)
-        return y, dy, tuple(reversed(grads))
-
-
-def zero_cotangent(tree: Any) -> Any:
-    """Zero cotangents for ``tree``: ``float0`` for integer and key leaves."""
-
-    def zero(leaf):
-        dtype = jnp.result_type(leaf)
-        if jnp.issubdtype(dtype, jnp.inexact):
-            return jnp.zeros(jnp.shape(leaf), dtype)
-        return np.zeros(jnp.shape(leaf), jax.dtypes.float0)
-
-    return jax.tree.map(zero, tree)
-
-
-def reversible_apply(
-    rule: _tape.Rule, params: Any, aux: Any, x: jax.Array
-) -> tuple[jax.Array, Any]:
-    """Runs ``rule.forward`` under a custom VJP that stores only the output.
-
-    Args:
-      rule: An invertible rule with a fused ``backward``.
-      params: Differentiable parameters.
-      aux: State and RNG keys; they get zero (``float0`` for integers)
-        cotangents.
-      x: The input.
-
-    Returns:
-      ``(y, new_state)``. The new state gets no cotangent.
-    """
-
-    @jax.custom_vjp
-    def run(params, aux, x):
-        return rule.forward(params, aux, x)
-
-    def run_fwd(params, aux, x):
-        y, new_state = rule.forward(params, aux, x)
-        return (y, new_state), (params, aux, y)
-
-    def run_bwd(residuals, cotangents):
-        params, aux, y = residuals
-        dy, _ = cotangents
-        _, dx, dparams = rule.backward(params, aux, y, dy)
-        return dparams, zero_cotangent(aux), dx
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(params, aux, x)
 
 
 def _check_static(module: str, args: Any) -> None:
@@ -182,30 +52,54 @@ def _check_static(module: str, args: Any) -> None:
             )
 
 
+def _shape_preserving(
+    module: str, apply: PureApply, args: tuple, kwargs: dict, reversible: bool
+) -> PureApply:
+    """``apply`` with the block's static arguments, checking its output."""
+
+    def layer(params, state, key, h):
+        y, new_state = apply(params, state, key, h, *args, **kwargs)
+        if y.shape != h.shape or y.dtype != h.dtype:
+            raise ValueError(
+                f"{module}: each block must preserve its input's shape and dtype; "
+                f"got {h.shape} {h.dtype} -> {y.shape} {y.dtype}."
+            )
+        if reversible and jax.tree.leaves(new_state):
+            # New state is a result of the forward pass only. The barrier (an
+            # identity that has no inverse rule) keeps the inversion from
+            # solving the statistics' update backwards for batch statistics,
+            # which would keep every layer's new state alive for the backward
+            # pass even when the caller drops it.
+            new_state = jax.lax.optimization_barrier(new_state)
+        return y, new_state
+
+    return layer
+
+
 class ReversibleSequence(hk.Module):
     """A stack of invertible blocks whose backward pass stores no activations.
 
-    ``block_fn(x, *args, **kwargs) -> y`` builds and applies one invertible,
-    shape-preserving block made of revnet invertible modules (as with
-    ``hk.layer_stack``). ``num_layers`` copies of it run in a scan over
-    parameters stacked on a leading axis.
+    ``block_fn(x, *args, **kwargs) -> y`` builds and applies one shape-preserving
+    block (as with ``hk.layer_stack``); ``num_layers`` copies of it run in a scan
+    over parameters stacked on a leading axis. The block may be any Haiku code
+    that is invertible equation by equation, such as an additive coupling
+    written by hand:
 
-    In reversible mode the backward pass rebuilds each block's input from its
-    output, so activation memory does not grow with depth. Differentiate it in
-    reverse mode only (``jax.grad``, ``jax.vjp``): a ``jax.custom_vjp`` cannot
-    be differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``).
-
-    Example:
-
-    >>> def model(x):
-    ...   mlp = lambda h: hk.nets.MLP([16, 4])(h)
-    ...   block = lambda h: AdditiveCoupling(mlp, mlp)(h)
-    ...   return ReversibleSequence(block, num_layers=8)(x)
-    >>> model = hk.transform(model)
+    >>> def block(h):
+    ...   h1, h2 = jnp.split(h, 2, axis=-1)
+    ...   y1 = h1 + hk.nets.MLP([16, h2.shape[-1]])(h2)
+    ...   y2 = h2 + jnp.tanh(hk.Linear(h1.shape[-1])(y1))
+    ...   return jnp.concatenate([y1, y2], axis=-1)
+    >>> model = hk.transform(lambda x: ReversibleSequence(block, num_layers=8)(x))
     >>> x = jnp.ones([2, 8])
     >>> params = model.init(jax.random.PRNGKey(0), x)
     >>> jax.grad(lambda p: model.apply(p, None, x).sum())(params) is not None
     True
+
+    In reversible mode the backward pass rebuilds each block's input from its
+    output, so activation memory does not grow with depth. Differentiate it in
+    reverse mode only (``jax.grad``, ``jax.vjp``): forward mode (``jax.jvp``,
+    ``jax.jacfwd``) is not available for a function with a custom VJP.
     """
 
     def __init__(
@@ -267,38 +161,55 @@ class ReversibleSequence(hk.Module):
             )
         self._stacked = callable(block_fn)
 
-    def _prepare(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-        """Returns ``(rule, params, aux)`` for input (or output) ``x``."""
-        check_input(self.module_name, x, min_rank=1, expected="[batch, ...]")
-        _check_static(self.module_name, (args, kwargs))
+    def _stack(self, x: Any, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        """The pure function ``h -> (y, new_states)`` of the whole stack.
+
+        It closes over the parameters, the state and one RNG key per layer,
+        fetched (or created, at init) here.
+        """
+        module = self.module_name
+        check_input(module, x, min_rank=1, expected="[batch, ...]")
+        _check_static(module, (args, kwargs))
         pairs = [fn.params_and_state(x, *args, **kwargs) for fn in self._lifted]
         params, states = (tuple(p) for p in zip(*pairs, strict=True))
         key = hk.maybe_next_rng_key()
-        keys = (None,) * self.num_layers
-        if key is not None:
-            keys = jax.random.split(key, self.num_layers)
-
-        def block_rule(fn):
-            apply = fn.apply
-            return BlockRule(
-                lambda p, s, k, h: apply(p, s, k, h, *args, **kwargs), self.module_name
-            )
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        layers = [
+            _shape_preserving(module, fn.apply, args, kwargs, self.reversible)
+            for fn in self._lifted
+        ]
 
         if self._stacked:
-            keys = None if key is None else keys
-            return ScanRule(block_rule(self._lifted[0])), params[0], (states[0], keys)
-        return ChainRule(tuple(map(block_rule, self._lifted))), params, (states, keys)
+            (layer,), (stacked_params,), (stacked_state,) = layers, params, states
+
+            def stack(h):
+                def body(h, per_layer):
+                    return layer(*per_layer, h)
+
+                h, new_state = jax.lax.scan(
+                    body, h, (stacked_params, stacked_state, keys)
+                )
+                return h, (new_state,)
+
+        else:
+            layer_keys = [None] * self.num_layers if keys is None else list(keys)
+
+            def stack(h):
+                new_states = []
+                for layer, p, s, k in zip(layers, params, states, layer_keys):
+                    h, new_state = layer(p, s, k, h)
+                    new_states.append(new_state)
+                return h, tuple(new_states)
+
+        stack.__name__ = module
+        return stack
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """Applies the blocks to ``x``; extra arguments go to ``block_fn``."""
-        rule, params, aux = self._prepare(x, args, kwargs)
-        if _tape.is_recording():
-            return _tape.emit(rule, params, aux, x)
-        if self.reversible and not hk.running_init():
-            y, new_state = reversible_apply(rule, params, aux, x)
-        else:
-            y, new_state = rule.forward(params, aux, x)
-        new_states = new_state if not self._stacked else (new_state,)
+        stack = self._stack(x, args, kwargs)
+        if self.reversible:
+            stack = revnet.invertible(stack)
+        y, new_states = stack(x)
         for fn, state in zip(self._lifted, new_states, strict=True):
             fn.update_state(state)
         return y
@@ -320,6 +231,13 @@ class ReversibleSequence(hk.Module):
         Raises:
           TypeError: If ``y`` is not floating point or an extra argument is an
             array.
+          revnet.NotInvertibleError: If a block cannot be run backwards.
         """
-        rule, params, aux = self._prepare(y, args, kwargs)
-        return rule.inverse(params, aux, y)
+        stack = self._stack(y, args, kwargs)
+
+        def outputs(h):
+            return stack(h)[0]
+
+        outputs.__name__ = stack.__name__
+        (x,) = revnet.inverse(outputs, y)(y)
+        return x

@@ -1,5 +1,6 @@
 """Memory and compute of the reversible training step, from XLA's plans.
 
+Measured with run-time checks off, the library's default.
 ``temp_size_in_bytes`` is the activation/workspace memory XLA plans for the
 compiled ``jit(grad(loss))``; ``cost_analysis()["flops"]`` counts a loop body
 once, so reversible and standard scans of the same depth are compared per
@@ -18,6 +19,7 @@ import pytest
 from revnet import blocks
 from tests.blocks.descriptors import affine
 from tests.blocks.helpers import compiled
+from tests.helpers import runtime_checks
 
 
 def wide_additive(h: jax.Array) -> jax.Array:
@@ -51,7 +53,21 @@ def chain(depth: int, reversible: bool):
     )
 
 
-SHAPES = {sequence: (256, 64), revnet: (8, 8, 8, 3), chain: (256, 64)}
+def transformer(depth: int, reversible: bool):
+    # The attention's softmax holds a stop_gradient: no cotangent may flow there.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleTransformer(
+            depth, num_heads=4, model_size=64, mlp_size=128, reversible=reversible
+        )(x, True)
+    )
+
+
+SHAPES = {
+    sequence: (256, 64),
+    revnet: (8, 8, 8, 3),
+    chain: (256, 64),
+    transformer: (8, 64, 64),
+}
 
 
 @functools.cache
@@ -64,7 +80,8 @@ def train_step(model, depth: int, reversible: bool):
     def loss(params, state, x):
         return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
 
-    return compiled(jax.grad(loss), params, state, x)
+    with runtime_checks(False):  # measure the library's default
+        return compiled(jax.grad(loss), params, state, x)
 
 
 def temp(model, depth, reversible):
@@ -92,13 +109,13 @@ def flop_ratio(model, depth):
     return rev / std
 
 
-@pytest.mark.parametrize("model", [sequence, revnet])
+@pytest.mark.parametrize("model", [sequence, revnet, transformer])
 def test_reversible_flops_within_limit(model):
     ratio = flop_ratio(model, 4)
     print(f"{model.__name__}: FLOP ratio {ratio:.3f}")
     # Fused backward: 4/3 for the couplings (plus cheap non-reversible parts).
     # The lower bound shows the blocks really are recomputed.
-    assert 1.1 <= ratio <= 1.40
+    assert 1.1 <= ratio <= 1.34
 
 
 def test_unrolled_chain_flops_within_limit():
@@ -120,8 +137,10 @@ def test_unrolled_chain_flops_within_limit():
         def loss(params, state, x):
             return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
 
-        return compiled(jax.grad(loss), params, state, x).cost_analysis()["flops"]
+        with runtime_checks(False):
+            step = compiled(jax.grad(loss), params, state, x)
+        return step.cost_analysis()["flops"]
 
     ratio = step_flops(True) / step_flops(False)
     print(f"unrolled chain: FLOP ratio {ratio:.3f}")
-    assert 1.1 <= ratio <= 1.40
+    assert 1.1 <= ratio <= 1.34

@@ -12,7 +12,7 @@ import pytest
 
 from revnet import blocks
 
-MODULES = ["coupling", "sequence", "layers", "revnet", "transformer"]
+MODULES = ["coupling", "sequence", "permutation", "revnet", "transformer"]
 
 
 @pytest.mark.parametrize("name", MODULES)

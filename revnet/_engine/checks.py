@@ -28,7 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revnet.ivjp import NotInvertibleError
+from revnet._engine.cotangents import is_float
+from revnet._engine.errors import NotInvertibleError
 
 _ENV = "REVNET_RUNTIME_CHECKS"
 _override: list[bool] = []
@@ -54,16 +55,12 @@ def enabled() -> bool:
     return os.environ.get(_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 def record(rebuilt: Sequence[Any], given: Sequence[Any], message: str) -> None:
     """Records a failure when ``rebuilt`` is not finite but ``given`` is."""
     if not _SCOPES:
         return
-    rebuilt = [x for x in rebuilt if x is not None and _is_float(x)]
-    given = [x for x in given if x is not None and _is_float(x)]
+    rebuilt = [x for x in rebuilt if x is not None and is_float(x)]
+    given = [x for x in given if x is not None and is_float(x)]
     if not rebuilt:
         return
     bad = jnp.any(jnp.stack([jnp.any(~jnp.isfinite(x)) for x in rebuilt]))

@@ -1,0 +1,52 @@
+"""The inversion engine: the internal surface revnet's front-ends share.
+
+Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
+only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
+into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
+:mod:`.interpreter` runs the plan on values and cotangents. Structural rules
+(:mod:`.calls`, :mod:`.scan`, :mod:`.select`) add themselves to the registry
+and to the interpreter's handler table when this package is imported. The
+front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
+``revnet.rules`` import only the names below, and the engine imports no
+front-end.
+"""
+
+from revnet._engine import (
+    checks,
+    cotangents,
+    registry,
+    select,  # noqa: F401  (registers its rules)
+)
+from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
+from revnet._engine.errors import NotInvertibleError, Stuck, not_invertible
+from revnet._engine.interpreter import Interpreter
+from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
+from revnet._engine.loops import scan_function, while_function
+from revnet._engine.plan import Plan
+from revnet._engine.registry import InverseRule, register_inverse
+from revnet._engine.tracing import trace
+
+__all__ = [
+    "LRU",
+    "PLAN_CACHE",
+    "Body",
+    "Interpreter",
+    "InverseRule",
+    "NotInvertibleError",
+    "Plan",
+    "ScanParams",
+    "Stuck",
+    "analyze",
+    "aval",
+    "checks",
+    "cotangents",
+    "eval_body",
+    "not_invertible",
+    "register_inverse",
+    "registry",
+    "scan_function",
+    "stats",
+    "tag",
+    "trace",
+    "while_function",
+]

@@ -1,0 +1,292 @@
+"""jaxpr -> plan, by propagation to a fixed point; one bounded plan cache.
+
+Start with the known inputs (constants) and the outputs known. Then, until
+nothing changes, an equation whose inputs are all known is evaluated forward
+(any primitive may be), and any other equation is offered to its rule in the
+registry (:mod:`revnet._engine.registry`): a primitive's inverse rule solves it
+for its one unknown input when its outputs are known; a structural rule (a
+nested call, ``scan``, ``select_n``, covering slices) may produce a step of its
+own. The order of equations in the jaxpr does not matter. If an input stays
+unknown, :class:`~revnet._engine.errors.Stuck` is raised with the failure
+closest to the inputs.
+
+Plans refer to variables by position only, so :func:`analyze` caches them by
+the jaxpr's structure (:func:`revnet._engine.fingerprint.structure`): a
+program traced again, eagerly, with new rule objects or weights, is not
+analysed again. :data:`stats` counts analyses and cache hits.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from revnet._engine import fingerprint, registry
+from revnet._engine import jaxpr as jx
+from revnet._engine.errors import Failure, NotInvertibleError, Stuck
+from revnet._engine.plan import Forward, Plan, Solve, var_avals, wiring
+
+# Values computed from literals only are folded at trace time up to this size.
+STATIC_MAX_SIZE = 1 << 20
+
+# Counters for tests and benchmarks: ``analyses`` (full analyses run, nested
+# bodies included) and ``hits`` (plans served from the cache).
+stats = {"analyses": 0, "hits": 0}
+
+
+class LRU:
+    """A small bounded mapping; the least recently used entry goes first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.data: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        hit = self.data.get(key)
+        if hit is None:
+            return default
+        self.data.move_to_end(key)
+        return hit
+
+    def put(self, key: Any, value: Any) -> None:
+        self.data[key] = value
+        self.data.move_to_end(key)
+        while len(self.data) > self.size:
+            self.data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+PLAN_CACHE = LRU(512)
+
+
+def analyze(jaxpr: Any, known_in: Sequence[bool], known_out: Sequence[bool]) -> Plan:
+    """The plan rebuilding ``jaxpr``'s unknown inputs; cached by structure.
+
+    Raises:
+      Stuck: when an unknown input cannot be rebuilt (never cached: the
+        failure names the current jaxpr's equations and source lines).
+    """
+    key = (
+        fingerprint.structure(jaxpr),
+        tuple(known_in),
+        tuple(known_out),
+        registry.version(),
+    )
+    hit = PLAN_CACHE.get(key)
+    if hit is not None:
+        stats["hits"] += 1
+        return hit
+    stats["analyses"] += 1
+    plan = Analysis(jaxpr, known_in, known_out).run()
+    PLAN_CACHE.put(key, plan)
+    return plan
+
+
+def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> None:
+    """Runs a primitive's inverse rule on abstract values to check that it applies.
+
+    Known inputs whose value is fixed at trace time (``static_value(n)`` for
+    input ``n``) are passed to the rule's check, so that it can refuse, for
+    example, a multiplication by a constant zero.
+
+    Raises:
+      NotInvertibleError: when the rule refuses, fails on these shapes, or
+        returns a value of the wrong type.
+    """
+    in_avals = [jx.aval(v) for v in eqn.invars]
+    statics = [static_value(n) if k else None for n, k in enumerate(ins)]
+    rule.run_check(statics, eqn.params, in_avals)
+
+    def go(outs, known):
+        it = iter(known)
+        return rule(outs, [next(it) if k else None for k in ins], eqn.params, in_avals)
+
+    def struct(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    outs = [struct(jx.aval(v)) for v in eqn.outvars]
+    known = [struct(a) for a, k in zip(in_avals, ins) if k]
+    try:
+        result = jax.eval_shape(go, outs, known)
+    except NotInvertibleError:
+        raise
+    except Exception as e:  # a rule that cannot trace on these shapes
+        raise NotInvertibleError(f"its inverse rule failed: {e}") from e
+    for a, k, r in zip(in_avals, ins, result):
+        if not k and (tuple(r.shape) != tuple(a.shape) or r.dtype != a.dtype):
+            raise NotInvertibleError(
+                f"its inverse rule returned {r.dtype}{list(r.shape)} for an input "
+                f"of type {a.dtype}{list(a.shape)}"
+            )
+
+
+class Analysis:
+    """One propagation over one jaxpr; structural rules read and extend it."""
+
+    def __init__(self, jaxpr: Any, known_in: Sequence[bool], known_out: Sequence[bool]):
+        self.jaxpr = jaxpr
+        self.known_in, self.known_out = tuple(known_in), tuple(known_out)
+        self.wiring = wiring(jaxpr)
+        self.avals = var_avals(jaxpr)
+        w = self.wiring
+        self.known: set = {v for v, k in zip(w.invars, known_in) if k}
+        self.known |= {v for v, k in zip(w.outvars, known_out) if k and v is not None}
+        self.consumers: dict = {}
+        self.eqn_of: dict = {}
+        for i, (ins, outs) in enumerate(zip(w.eqn_ins, w.eqn_outs)):
+            for v in ins:
+                if v is not None:
+                    self.consumers.setdefault(v, []).append(i)
+            for v in outs:
+                if v is not None:
+                    self.eqn_of[v] = i
+        self.steps: list = []
+        self.producer: dict = {}
+        self.failures: dict[int, Failure] = {}
+        self.static: dict = {}  # values computed from literals only
+        self.done = [False] * len(jaxpr.eqns)
+
+    # -- queries for rules ----------------------------------------------------- #
+
+    def is_known(self, v: int | None) -> bool:
+        return v is None or v in self.known
+
+    def ins_known(self, i: int) -> list[bool]:
+        return [self.is_known(v) for v in self.wiring.eqn_ins[i]]
+
+    def static_value(self, i: int, n: int) -> Any:
+        """The trace-time value of input ``n`` of equation ``i``, or None."""
+        v = self.wiring.eqn_ins[i][n]
+        if v is None:
+            return jx.literal_value(self.jaxpr.eqns[i].invars[n])
+        return self.static.get(v)
+
+    def fail(self, i: int, eqn: Any, reason: str, inner: Failure | None = None):
+        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner)
+
+    def distinct_unknowns(self, i: int, eqn: Any, ins: Sequence[bool]) -> bool:
+        """False (and a failure) when one unknown value is used twice."""
+        ids = [v for v, k in zip(self.wiring.eqn_ins[i], ins) if not k]
+        if len(set(ids)) == len(ids):
+            return True
+        self.fail(i, eqn, "the same unknown value is used more than once as its input")
+        return False
+
+    # -- the propagation ------------------------------------------------------- #
+
+    def run(self) -> Plan:
+        n = len(self.jaxpr.eqns)
+        queue = list(range(n - 1, -1, -1))
+        queued = set(queue)
+        while queue:
+            i = queue.pop()
+            queued.discard(i)
+            if self.done[i]:
+                continue
+            for v in self._visit(i):
+                # Its consumers, and the equation that produced it, may now be
+                # solvable.
+                producer = self.eqn_of.get(v)
+                for j in [*self.consumers.get(v, ()), producer]:
+                    if j is not None and not self.done[j] and j not in queued:
+                        queue.append(j)
+                        queued.add(j)
+        w = self.wiring
+        unknown = [
+            n
+            for n, (v, k) in enumerate(zip(w.invars, self.known_in))
+            if not k and v not in self.known
+        ]
+        if unknown:
+            best = self.failures[min(self.failures)] if self.failures else None
+            raise Stuck(best, unknown)
+        return Plan(
+            w, self.known_in, self.known_out, tuple(self.steps), dict(self.producer)
+        )
+
+    def _add(self, step: Any, produced: Sequence[int | None]) -> list[int]:
+        idx = len(self.steps)
+        self.steps.append(step)
+        fresh = []
+        for v in produced:
+            if v is None or v in self.known:
+                continue
+            self.known.add(v)
+            self.producer[v] = idx
+            fresh.append(v)
+        return fresh
+
+    def _settle(self, eqns: Sequence[int]) -> None:
+        for j in eqns:
+            self.done[j] = True
+            self.failures.pop(j, None)
+
+    def _visit(self, i: int) -> list[int]:
+        eqn = self.jaxpr.eqns[i]
+        ins = self.ins_known(i)
+        outs = [v is not None and v in self.known for v in self.wiring.eqn_outs[i]]
+        if all(ins):
+            self._settle([i])
+            if all(k or v is None for k, v in zip(outs, self.wiring.eqn_outs[i])):
+                return []
+            self._fold(i, eqn)
+            return self._add(Forward(i), self.wiring.eqn_outs[i])
+        rule = registry.lookup(jx.primitive_name(eqn))
+        if rule is None:
+            if any(outs):
+                self.fail(i, eqn, f"`{jx.primitive_name(eqn)}` has no inverse rule")
+            return []
+        if rule.structural:
+            found = rule.analyze(self, i, eqn, ins, outs)
+        else:
+            found = self._solve(rule, i, eqn, ins, outs)
+        if found is None:
+            return []
+        step, produced, eqns = found
+        self._settle(eqns)
+        return self._add(step, produced)
+
+    def _solve(self, rule: Any, i: int, eqn: Any, ins, outs):
+        if not any(outs) or not self.distinct_unknowns(i, eqn, ins):
+            return None
+        if not all(outs):
+            self.fail(
+                i,
+                eqn,
+                "not all of its outputs are known; an output that does not reach "
+                "the function's outputs cannot be used to rebuild its inputs",
+            )
+            return None
+        try:
+            abstract_solve(rule, eqn, ins, lambda n: self.static_value(i, n))
+        except NotInvertibleError as e:
+            self.fail(i, eqn, str(e))
+            return None
+        unknown = tuple(n for n, k in enumerate(ins) if not k)
+        produced = [self.wiring.eqn_ins[i][n] for n in unknown]
+        return Solve(i, unknown, rule.name), produced, (i,)
+
+    def _fold(self, i: int, eqn: Any) -> None:
+        """Evaluates an equation of literals and static values at trace time."""
+        vals = [self.static_value(i, n) for n in range(len(eqn.invars))]
+        if any(x is None for x in vals) or eqn.effects:
+            return
+        if jx.call_body(eqn) is not None or jx.scan_params(eqn) is not None:
+            return
+        size = sum(int(np.prod(jx.aval(v).shape)) for v in eqn.outvars)
+        if size > STATIC_MAX_SIZE:
+            return
+        try:
+            with jax.ensure_compile_time_eval():
+                outs = jx.bind(eqn, *vals)
+        except Exception:  # not foldable: leave it to run time
+            return
+        for v, o in zip(self.wiring.eqn_outs[i], outs):
+            if v is not None and not isinstance(o, jax.core.Tracer):
+                self.static[v] = o

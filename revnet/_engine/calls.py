@@ -1,0 +1,222 @@
+"""Structural rules for nested calls and ``custom_ivjp`` functions.
+
+* A nested call (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``)
+  is solved by the plan of its body. For a function with a user derivative
+  rule (``custom_jvp``/``custom_vjp``, e.g. ``jax.nn.relu``) the body only
+  rebuilds the inputs, and the cotangents come from the user's rule at the
+  rebuilt inputs, so the rule is honoured. A call whose body maps an input to
+  its one output position by position may lie on a ``select_n`` case's chain.
+* A ``custom_ivjp`` function is a ``custom_vjp_call`` whose backward is tagged
+  with the function; it is solved by the user's inverse. The engine sees it
+  through this protocol only: ``num_consts``, ``trees`` (flat input shapes ->
+  ``(in_tree, out_tree)``), ``invert(consts, outputs)`` and ``ivjp(consts,
+  outputs, cts)``.
+* revnet's ``while_loop`` is refused inside another function: its trip count
+  is not one of its outputs. revnet's ``scan`` is solved through its body.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from revnet._engine import analysis, checks, registry, select
+from revnet._engine import cotangents as ct
+from revnet._engine import jaxpr as jx
+from revnet._engine.errors import Stuck, degenerate
+from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
+from revnet._engine.plan import Call, Custom
+
+
+class LoopTag:
+    """Tags the backward of revnet's own loops (``loop_kind``: ``"scan"`` or
+    ``"while_loop"``), so that the analysis recognises their equations."""
+
+    def __init__(self, loop_kind: str):
+        self.loop_kind = loop_kind
+
+
+class CallRule(registry.StructuralRule):
+    """Solves nested calls by their body's plan, ``custom_ivjp`` by its inverse."""
+
+    name = "call"
+
+    def analyze(self, an, i, eqn, ins, outs):
+        if not any(outs) or not an.distinct_unknowns(i, eqn, ins):
+            return None
+        tag = jx.tag_of(eqn)
+        if getattr(tag, "loop_kind", None) == "while_loop":
+            an.fail(
+                i,
+                eqn,
+                "revnet.while_loop cannot be run backwards here: its trip count is "
+                "not one of its outputs; call it outside @invertible (it already "
+                "rebuilds its carry), or use revnet.scan with a fixed length",
+            )
+            return None
+        custom_ivjp = tag is not None and getattr(tag, "loop_kind", None) is None
+        body = jx.call_body(eqn)
+        if not all(outs) and (custom_ivjp or body is None):
+            an.fail(
+                i,
+                eqn,
+                "not all of its outputs are known; an output that does not reach "
+                "the function's outputs cannot be used to rebuild its inputs",
+            )
+            return None
+        if custom_ivjp:
+            return self._custom(an, i, eqn, tag, ins)
+        unknown = tuple(n for n, k in enumerate(ins) if not k)
+        known_in = (True,) * len(body.consts) + tuple(ins)
+        try:
+            plan = analysis.analyze(body.jaxpr, known_in, tuple(outs))
+        except Stuck as stuck:
+            an.fail(i, eqn, "its body is not invertible", stuck.failure)
+            return None
+        custom = jx.custom_rule_kind(eqn) is not None and tag is None
+        step = Call(i, unknown, plan, custom)
+        return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
+
+    def positionwise(self, an, i, eqn, unknown):
+        tag = jx.tag_of(eqn)
+        body = jx.call_body(eqn)
+        if body is None or len(eqn.outvars) != 1:
+            return False
+        if tag is not None and getattr(tag, "loop_kind", None) != "scan":
+            return False  # a user inverse, or a while_loop: not looked into
+        nb = len(body.consts)
+        known_in = _known_body_inputs(body, eqn, unknown)
+        if not select.positionwise_path(body.jaxpr, known_in, 0, nb + unknown):
+            return False
+        try:
+            analysis.analyze(body.jaxpr, known_in, (True,))
+        except Stuck:
+            return False
+        return True
+
+    def solve_positionwise(self, it, i, eqn, unknown, outs):
+        body = jx.call_body(eqn)
+        known_in = _known_body_inputs(body, eqn, unknown)
+        plan = analysis.analyze(body.jaxpr, known_in, (True,))
+        given = [it.read_in(i, n) for n in range(len(eqn.invars)) if n != unknown]
+        vals, _ = run_plan(plan, body.jaxpr, [*body.consts, *given], list(outs))
+        return vals[0]
+
+    def _custom(self, an, i, eqn, fn, ins):
+        name = fn.__name__
+        trees = fn.trees.get(jx.custom_ivjp_key(eqn))
+        if trees is None:
+            an.fail(
+                i,
+                eqn,
+                f"custom_ivjp function {name!r} was not called with these shapes",
+            )
+            return None
+        in_tree, out_tree = trees
+        n_const = sum(c.num_leaves for c in in_tree.children()[: fn.num_consts])
+        nh = jx.custom_vjp_num_consts(eqn)
+        if nh:
+            an.fail(
+                i,
+                eqn,
+                f"custom_ivjp function {name!r} closes over traced values; pass "
+                "them as leading arguments with num_consts",
+            )
+            return None
+        if not all(ins[:n_const]):
+            an.fail(
+                i, eqn, f"the constants of custom_ivjp function {name!r} are unknown"
+            )
+            return None
+        unknown = tuple(range(n_const, len(ins)))
+        step = Custom(i, unknown, nh, n_const, in_tree, out_tree)
+        return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
+
+
+def _known_body_inputs(body, eqn, unknown: int) -> tuple[bool, ...]:
+    """A call body's known inputs when only the call's input ``unknown`` is not."""
+    n = len(eqn.invars)
+    return (True,) * len(body.consts) + tuple(k != unknown for k in range(n))
+
+
+def _split(it, step):
+    """``(equation, known input values with None, known output values)``."""
+    i = step.eqn
+    eqn = it.jaxpr.eqns[i]
+    unknown = set(step.unknown)
+    known = [None if n in unknown else it.read_in(i, n) for n in range(len(eqn.invars))]
+    return eqn, known
+
+
+class _CallHandler(Handler):
+    fuses = True
+
+    def known_outs(self, it, step):
+        return list(step.plan.known_out)
+
+    def run(self, it, step, out_cts):
+        eqn, known = _split(it, step)
+        body = jx.call_body(eqn)
+        consts = list(body.consts)
+        outs = [
+            it.read(v)
+            for v, k in zip(it.wiring.eqn_outs[step.eqn], step.plan.known_out)
+            if k
+        ]
+        given = [x for x in known if x is not None]
+        ins, cts = run_plan(
+            step.plan,
+            body.jaxpr,
+            consts + given,
+            outs,
+            None if step.custom else out_cts,
+        )
+        if cts is not None:
+            cts = cts[len(consts) :]
+        elif step.custom and out_cts is not None:
+            # The user's derivative rule, at the rebuilt inputs.
+            rebuilt = iter(ins)
+            full = [next(rebuilt) if x is None else x for x in known]
+            _, vjp = vjp_eqn(eqn, full)
+            cts = vjp(out_cts) if vjp is not None else [None] * len(full)
+        it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
+        return cts
+
+
+class _CustomHandler(Handler):
+    fuses = True
+
+    def run(self, it, step, out_cts):
+        eqn, known = _split(it, step)
+        fn = jx.tag_of(eqn)
+        outs = [it.read(v) for v in it.wiring.eqn_outs[step.eqn] if v is not None]
+        nk = step.n_hoisted + step.n_const_leaves
+        const_tree = jax.tree_util.tree_structure(
+            tuple(
+                jax.tree_util.tree_unflatten(c, [0] * c.num_leaves)
+                for c in step.in_tree.children()[: fn.num_consts]
+            )
+        )
+        consts = tuple(
+            jax.tree_util.tree_unflatten(const_tree, known[step.n_hoisted : nk])
+        )
+        outputs = jax.tree_util.tree_unflatten(step.out_tree, outs)
+        cts = None
+        if out_cts is None:
+            ins = jax.tree_util.tree_leaves(fn.invert(consts, outputs))
+        else:
+            tree_cts = jax.tree_util.tree_unflatten(step.out_tree, list(out_cts))
+            inputs, in_cts = fn.ivjp(consts, outputs, tree_cts)
+            in_cts = ct.float0_for_ints((*consts, *inputs), in_cts)
+            flat = jax.tree_util.tree_leaves(in_cts, is_leaf=lambda x: x is None)
+            ins = jax.tree_util.tree_leaves(inputs)
+            cts = [None] * step.n_hoisted + flat
+        checks.record(
+            ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
+        )
+        it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
+        return cts
+
+
+registry.register_structural(jx.call_primitive_names(), CallRule())
+register_handler(Call, _CallHandler())
+register_handler(Custom, _CustomHandler())

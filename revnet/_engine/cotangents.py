@@ -1,0 +1,89 @@
+"""Zero, ``float0`` and accumulated cotangents: the one copy.
+
+A custom VJP must return a cotangent for every input: zeros of the input's
+dtype for a float input that got none, and ``float0`` zeros for integer (or
+key) inputs. Inside loops, a carried cotangent must be an array for float
+values and ``None`` for the others. These helpers implement those rules for
+the interpreter and every front-end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_float_aval(a: Any) -> bool:
+    """Whether an abstract value (or array) has a floating or complex dtype."""
+    return jnp.issubdtype(a.dtype, jnp.inexact)
+
+
+def is_float(x: Any) -> bool:
+    """Whether a value (array or Python scalar) has a floating dtype."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def is_float0(c: Any) -> bool:
+    return getattr(c, "dtype", None) == jax.dtypes.float0
+
+
+def zeros(a: Any) -> Any:
+    """A zero cotangent for ``a``: ``float0`` when ``a`` is not a float."""
+    if is_float_aval(a):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def fill(cts: Sequence[Any], avals: Sequence[Any]) -> list:
+    """Cotangents as a custom VJP returns them: zeros for None, float0 for ints."""
+    return [
+        c if c is not None and is_float_aval(a) else zeros(a)
+        for c, a in zip(cts, avals)
+    ]
+
+
+def float_or_none(cts: Sequence[Any], avals: Sequence[Any]) -> list:
+    """Cotangents carried by a loop: zeros for None, None for non-float values."""
+    out = []
+    for c, a in zip(cts, avals):
+        if not is_float_aval(a):
+            out.append(None)
+        elif c is None or is_float0(c):
+            out.append(jnp.zeros(a.shape, a.dtype))
+        else:
+            out.append(c)
+    return out
+
+
+def drop_float0(cts: Sequence[Any]) -> list:
+    """``None`` in place of ``float0`` cotangents."""
+    return [None if is_float0(c) else c for c in cts]
+
+
+def add(a: Any, b: Any) -> Any:
+    """``a + b`` where None is zero."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def add_into(acc: Sequence[Any], new: Sequence[Any]) -> list:
+    """Adds ``new`` to an accumulator whose None entries stay None (no gradient)."""
+    return [None if a is None else add(a, b) for a, b in zip(acc, new)]
+
+
+def float0_for_ints(primals: Any, cts: Any) -> Any:
+    """Replaces the cotangents of non-float leaves of ``primals`` by float0 zeros."""
+
+    def fix(p, ct):
+        if is_float(p):
+            return ct
+        return np.zeros(np.shape(p), jax.dtypes.float0)
+
+    return jax.tree_util.tree_map(fix, tuple(primals), tuple(cts))

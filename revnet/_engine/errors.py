@@ -1,0 +1,107 @@
+"""NotInvertibleError, and the wording of every refusal of the analysis.
+
+The analysis records a :class:`Failure` per equation it could not solve and,
+when it gives up, raises :class:`Stuck`; a front-end turns that into one
+:class:`NotInvertibleError` with :func:`not_invertible`, naming the primitive,
+the reason, the user's source line and the inputs that could not be rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from revnet._engine import jaxpr as jx
+
+
+class NotInvertibleError(ValueError):
+    """Raised when a function cannot be inverted equation by equation.
+
+    The message names the primitive, the input that could not be recovered and,
+    where known, the user's source line.
+    """
+
+
+@dataclasses.dataclass
+class Failure:
+    """Why one equation could not be solved (``inner``: inside its body)."""
+
+    eqn: Any
+    reason: str
+    where: str
+    inner: Failure | None = None
+
+    def describe(self) -> tuple[str, str, str]:
+        """``(primitive text, reason, source line)`` of the deepest failure."""
+        name = jx.primitive_name(self.eqn)
+        if self.inner is None:
+            return f"`{name}`", self.reason, self.where
+        # The innermost level with a user line: the innermost equation itself
+        # is often library code (the ``max`` inside ``jax.nn.relu``), while the
+        # call around it carries the user's line.
+        deepest, where = self, self.where
+        while deepest.inner is not None:
+            deepest = deepest.inner
+            where = deepest.where or where
+        text = f"`{jx.primitive_name(deepest.eqn)}` inside `{name}`"
+        if jx.call_name(self.eqn):
+            text += f" ({jx.call_name(self.eqn)})"
+        return text, deepest.reason, where
+
+
+class Stuck(Exception):
+    """The analysis made no progress: ``unknown`` inputs cannot be rebuilt."""
+
+    def __init__(self, failure: Failure | None, unknown: Sequence[int]):
+        super().__init__("stuck")
+        self.failure = failure
+        self.unknown = list(unknown)
+
+
+def not_invertible(
+    stuck: Stuck, in_paths: Sequence[str], n_consts: int, fname: str
+) -> NotInvertibleError:
+    """The user-facing error for ``stuck``.
+
+    Args:
+      stuck: the analysis' refusal.
+      in_paths: a name for each argument leaf (``args[0]['w']``).
+      n_consts: how many leading jaxpr inputs are closed-over constants.
+      fname: the user's function name.
+
+    Returns:
+      The error, naming the equation, the reason, the source line and the
+      inputs that cannot be recovered.
+    """
+
+    def describe(n: int) -> str:
+        k = n - n_consts
+        return f"input {in_paths[k]}" if 0 <= k < len(in_paths) else f"input {k}"
+
+    names = ", ".join(describe(n) for n in stuck.unknown)
+    f = stuck.failure
+    if f is None:
+        return NotInvertibleError(
+            f"{fname} is not invertible: {names} could not be recovered from the "
+            "outputs (it does not reach the outputs through invertible equations)"
+        )
+    prim, reason, where = f.describe()
+    where = where or jx.caller_site()
+    loc = f" at {where}" if where else ""
+    return NotInvertibleError(
+        f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "
+        f"{names} could not be recovered"
+    )
+
+
+def degenerate(eqn: Any) -> str:
+    """The run-time message for an inverse that gave a non-finite value."""
+    where = jx.where(eqn)
+    at = f" at {where}" if where else ""
+    return (
+        f"the inverse of `{jx.primitive_name(eqn)}`{at} gave a non-finite value "
+        "from finite values (a zero factor, a singular matrix, a saturated "
+        "tanh/logistic, a dropout mask on the stream): these values cannot be "
+        "rebuilt; use ordinary backprop for this part"
+    )

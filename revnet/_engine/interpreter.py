@@ -1,0 +1,270 @@
+"""plan -> values and cotangents: runs a plan on the jaxpr it is given.
+
+:class:`Interpreter` rebuilds variables on demand by running the steps that
+produce them, and :meth:`Interpreter.backward` walks the equations in reverse
+applying each one's VJP. Values evaluated forward come from ``jax.vjp``, so
+the evaluation of ``F(x2)`` that rebuilds ``x1 = y1 - F(x2)`` is the one whose
+VJP is taken (RevNet's 4/3 cost). Steps that rebuild an equation's inputs and
+can give their cotangents in the same pass (nested calls, ``custom_ivjp``,
+scans) are *fused*: run once, with the output cotangents.
+
+Each step type has a :class:`Handler` in one table (:func:`register_handler`);
+the structural rules' modules register theirs. The equations, their params
+and rule objects come from the jaxpr passed in, never from the plan, so one
+plan serves every trace of the same structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from revnet._engine import checks, registry
+from revnet._engine import cotangents as ct
+from revnet._engine import jaxpr as jx
+from revnet._engine.errors import degenerate
+from revnet._engine.plan import Forward, Plan, Solve
+
+
+class Handler:
+    """How the interpreter runs one step type.
+
+    Attributes:
+      fuses: whether ``run`` given output cotangents also returns the input
+        cotangents of the step's equation.
+    """
+
+    fuses = False
+
+    def needs(self, it: Interpreter, step: Any) -> list[int | None]:
+        """The variable ids the step reads (None entries are literals)."""
+        eqn = step.eqn
+        unknown = set(step.unknown)
+        ins = [v for n, v in enumerate(it.wiring.eqn_ins[eqn]) if n not in unknown]
+        outs = it.wiring.eqn_outs[eqn]
+        return ins + [v for v, k in zip(outs, self.known_outs(it, step)) if k]
+
+    def known_outs(self, it: Interpreter, step: Any) -> list[bool]:
+        """Which of the step's equation's outputs it reads."""
+        return [v is not None for v in it.wiring.eqn_outs[step.eqn]]
+
+    def run(self, it: Interpreter, step: Any, out_cts: list | None) -> list | None:
+        raise NotImplementedError
+
+
+_HANDLERS: dict[type, Handler] = {}
+
+
+def register_handler(step_type: type, handler: Handler) -> None:
+    """Makes ``handler`` run the plan steps of type ``step_type``."""
+    _HANDLERS[step_type] = handler
+
+
+def vjp_eqn(eqn: Any, ins: Sequence[Any]):
+    """Evaluates ``eqn`` with ``jax.vjp`` over its float inputs.
+
+    Returns ``(outs, vjp)`` where ``vjp(out_cts)`` gives one cotangent (or None)
+    per input; ``vjp`` is None when no cotangent can flow (no float input or
+    output, or a derivative that is identically zero, such as ``stop_gradient``
+    in ``jax.nn.softmax``: plain autodiff sends no cotangent there either).
+    """
+    float_in = [
+        n
+        for n, v in enumerate(eqn.invars)
+        if not jx.is_literal(v) and ct.is_float_aval(jx.aval(v))
+    ]
+    if (
+        not float_in
+        or not any(ct.is_float_aval(jx.aval(v)) for v in eqn.outvars)
+        or jx.has_zero_derivative(eqn)
+    ):
+        return jx.bind(eqn, *ins), None
+
+    def f(*fl):
+        args = list(ins)
+        for n, x in zip(float_in, fl):
+            args[n] = x
+        return jx.bind(eqn, *args)
+
+    outs, pullback = jax.vjp(f, *[ins[n] for n in float_in])
+
+    def vjp(cts):
+        res = [None] * len(ins)
+        for n, c in zip(float_in, pullback(list(cts))):
+            res[n] = c
+        return res
+
+    return outs, vjp
+
+
+class Interpreter:
+    """Runs a :class:`Plan` on ``jaxpr``; one instance per (nested) evaluation."""
+
+    def __init__(self, plan: Plan, jaxpr: Any, known_in_vals, out_vals):
+        self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
+        self.env: dict = {}
+        it = iter(known_in_vals)
+        for v, k in zip(self.wiring.invars, plan.known_in):
+            if k:
+                self.env[v] = next(it)
+        it = iter(out_vals)
+        for v, k in zip(self.wiring.outvars, plan.known_out):
+            if k:
+                val = next(it)
+                if v is not None:
+                    self.env[v] = val
+        self.vjps: dict = {}  # eqn index -> vjp function from a forward step
+        self.done: set = set()  # indices of steps already run
+
+    # -- values ---------------------------------------------------------------- #
+
+    def read(self, v: int) -> Any:
+        if v not in self.env:
+            self.demand([v])
+        return self.env[v]
+
+    def read_ins(self, i: int, unknown: set[int]) -> list[Any]:
+        """The inputs of equation ``i``, with None at the ``unknown`` positions."""
+        n_in = len(self.jaxpr.eqns[i].invars)
+        return [None if n in unknown else self.read_in(i, n) for n in range(n_in)]
+
+    def read_in(self, i: int, n: int) -> Any:
+        """The value of input ``n`` of equation ``i`` (a literal's, or rebuilt)."""
+        v = self.wiring.eqn_ins[i][n]
+        if v is None:
+            return jx.literal_value(self.jaxpr.eqns[i].invars[n])
+        return self.read(v)
+
+    def set(self, ids: Sequence[int | None], vals: Sequence[Any]) -> None:
+        for v, val in zip(ids, vals):
+            if v is not None:
+                self.env.setdefault(v, val)
+
+    def demand(self, ids: Sequence[int | None]) -> None:
+        """Runs the steps that produce ``ids``, and their prerequisites."""
+        producer, steps = self.plan.producer, self.plan.steps
+        stack = [producer[v] for v in ids if v is not None and v not in self.env]
+        while stack:
+            s = stack[-1]
+            if s in self.done:
+                stack.pop()
+                continue
+            missing = [
+                producer[v]
+                for v in self.needs(steps[s])
+                if v is not None and v not in self.env
+            ]
+            missing = [m for m in missing if m not in self.done]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            self.run(steps[s], None)
+            self.done.add(s)
+
+    def needs(self, step: Any) -> list[int | None]:
+        return _HANDLERS[type(step)].needs(self, step)
+
+    def run(self, step: Any, out_cts: list | None) -> list | None:
+        """Runs one step; fused steps given ``out_cts`` also return input cts."""
+        return _HANDLERS[type(step)].run(self, step, out_cts)
+
+    def values(self) -> list:
+        """The rebuilt values of the unknown inputs."""
+        w, known = self.wiring, self.plan.known_in
+        return [self.read(v) for v, k in zip(w.invars, known) if not k]
+
+    # -- cotangents ------------------------------------------------------------ #
+
+    def backward(self, out_cts: Sequence[Any], need_values: bool):
+        """Applies every equation's VJP in reverse; returns input cotangents."""
+        w, eqns, steps = self.wiring, self.jaxpr.eqns, self.plan.steps
+        cts: dict = {}
+        for v, c in zip(w.outvars, out_cts):
+            if v is not None and c is not None:
+                cts[v] = ct.add(cts.get(v), c)
+        fused = {
+            step.eqn: s for s, step in enumerate(steps) if _HANDLERS[type(step)].fuses
+        }
+        for i in range(len(eqns) - 1, -1, -1):
+            eqn = eqns[i]
+            outs = w.eqn_outs[i]
+            got = [cts.pop(v, None) if v is not None else None for v in outs]
+            if all(c is None for c in got):
+                continue
+            got = [
+                c if c is not None else ct.zeros(jx.aval(o))
+                for o, c in zip(eqn.outvars, got)
+            ]
+            s = fused.get(i)
+            in_cts = None
+            if s is not None and s not in self.done:
+                # Rebuild this equation's inputs and their cotangents in one go.
+                self.demand(self.needs(steps[s]))
+                in_cts = self.run(steps[s], got)
+                self.done.add(s)
+            elif i in self.vjps:
+                in_cts = self.vjps.pop(i)(got)
+            if in_cts is None:
+                if s is not None:  # values were needed earlier: rerun, fused
+                    in_cts = self.run(steps[s], got)
+                else:
+                    ins = [self.read_in(i, n) for n in range(len(eqn.invars))]
+                    _, vjp = vjp_eqn(eqn, ins)
+                    in_cts = vjp(got) if vjp is not None else [None] * len(ins)
+            for v, a, c in zip(w.eqn_ins[i], eqn.invars, in_cts):
+                if v is None or c is None or ct.is_float0(c):
+                    continue
+                if ct.is_float_aval(jx.aval(a)):
+                    cts[v] = ct.add(cts.get(v), c)
+        in_cts = [cts.get(v) for v in w.invars]
+        return (self.values() if need_values else None), in_cts
+
+
+def run_plan(plan: Plan, jaxpr: Any, known_in_vals, out_vals, out_cts=None):
+    """Rebuilds a plan's unknown inputs; with ``out_cts`` also all input cts.
+
+    Returns:
+      ``(values of the unknown inputs, input cotangents or None)``.
+    """
+    interp = Interpreter(plan, jaxpr, known_in_vals, out_vals)
+    if out_cts is None:
+        return interp.values(), None
+    return interp.backward(out_cts, need_values=True)
+
+
+class _ForwardHandler(Handler):
+    def needs(self, it, step):
+        return list(it.wiring.eqn_ins[step.eqn])
+
+    def run(self, it, step, out_cts):
+        i = step.eqn
+        eqn = it.jaxpr.eqns[i]
+        outs, vjp = vjp_eqn(eqn, [it.read_in(i, n) for n in range(len(eqn.invars))])
+        it.set(it.wiring.eqn_outs[i], outs)
+        if vjp is not None:
+            it.vjps[i] = vjp
+        return None
+
+
+class _SolveHandler(Handler):
+    def run(self, it, step, out_cts):
+        i = step.eqn
+        eqn = it.jaxpr.eqns[i]
+        unknown = set(step.unknown)
+        known = it.read_ins(i, unknown)
+        outs = [None if v is None else it.read(v) for v in it.wiring.eqn_outs[i]]
+        avals = [jx.aval(v) for v in eqn.invars]
+        solved = registry.lookup(step.rule)(outs, known, eqn.params, avals)
+        new = [solved[n] for n in step.unknown]
+        checks.record(
+            new, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
+        )
+        it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], new)
+        return None
+
+
+register_handler(Forward, _ForwardHandler())
+register_handler(Solve, _SolveHandler())

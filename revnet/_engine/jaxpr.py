@@ -1,0 +1,325 @@
+"""The one module that touches jaxpr internals.
+
+Everything revnet needs to know about how JAX represents a traced program lives
+here: how to trace a function to a closed jaxpr, which primitives are nested
+calls and where they keep their body, how to bind a single equation, how to
+recognise a literal or a dropped variable, and how to read an equation's source
+line. JAX promises no stability for these details (``jax.extend`` is explicitly
+unstable, primitive names change, ``pjit`` became ``jit``), so a JAX upgrade
+should only ever need to touch this file.
+
+The rest of revnet sees equations through a handful of small functions:
+
+* :func:`trace` turns a function of flat arguments into ``(jaxpr, consts)``
+  with the closed-over values as ordinary leading input variables;
+* :func:`call_body` returns the body of a nested call equation, or ``None``;
+* :func:`scan_params` describes a ``scan`` equation;
+* :func:`bind` runs one equation on concrete or traced values;
+* :func:`where` names the user's source line of an equation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+try:  # jax >= 0.4.36
+    from jax.extend import source_info_util as _siu
+except ImportError:  # pragma: no cover - older JAX
+    _siu = None
+
+Var = jex_core.Var
+Literal = jex_core.Literal
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+
+# Names of nested-call primitives, across JAX versions, with the param that
+# holds their body. ``jit`` was ``pjit`` before jax 0.7; ``custom_vjp_call`` was
+# ``custom_vjp_call_jaxpr`` (body in ``fun_jaxpr``) before jax 0.6.1; ``remat``
+# prints as ``remat2`` and was ``checkpoint`` in some versions.
+_CALL_BODY_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+_CUSTOM_VJP_NAMES = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+JIT_NAMES = ("jit", "pjit")  # the name before jax 0.7
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A nested jaxpr with its constants bound to leading input variables."""
+
+    jaxpr: Jaxpr
+    consts: tuple[Any, ...]
+
+
+def is_literal(v: Any) -> bool:
+    return isinstance(v, Literal)
+
+
+def literal_value(v: Any) -> Any:
+    return v.val
+
+
+def is_dropvar(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def aval(v: Any) -> Any:
+    return v.aval
+
+
+def aval_key(a: Any) -> Any:
+    """Shape, dtype and weak type of an abstract value, as a hashable key."""
+    return (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
+
+
+def literal_key(lit: Any) -> Any:
+    """A literal's dtype, shape and bytes, as a hashable key."""
+    val = np.asarray(lit.val)
+    return (str(val.dtype), val.shape, val.tobytes())
+
+
+def nested_jaxpr(p: Any) -> tuple[Jaxpr, tuple] | None:
+    """``(jaxpr, consts)`` when the param ``p`` is a (closed) jaxpr, else None."""
+    if isinstance(p, jex_core.ClosedJaxpr) and not isinstance(p, Jaxpr):
+        return p.jaxpr, tuple(p.consts)
+    if isinstance(p, Jaxpr):
+        return p, ()
+    return None
+
+
+def closed_consts(j: Any) -> tuple:
+    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
+        return tuple(j.consts) + tuple(j.jaxpr.constvars)
+    return tuple(getattr(j, "constvars", ()))
+
+
+_BODIES: dict = {}
+
+
+def as_body(j: Any) -> Body:
+    """The body of a nested jaxpr, with jits inlined; memoised per jaxpr."""
+    hit = _BODIES.get(id(j))
+    if hit is not None and hit[0] is j:
+        return hit[1]
+    if len(_BODIES) > 4096:
+        _BODIES.clear()
+    body = _make_body(j)
+    _BODIES[id(j)] = (j, body)
+    return body
+
+
+def _make_body(j: Any) -> Body:
+    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
+        inner, consts = j.jaxpr, tuple(j.consts)
+    else:
+        inner, consts = j, ()
+    if inner.constvars:
+        if not consts:  # open jaxpr with constvars: not expected, refuse.
+            raise NotImplementedError("open nested jaxpr with unbound constvars")
+        inner = inner.replace(
+            constvars=[], invars=list(inner.constvars) + list(inner.invars)
+        )
+    from revnet._engine.tracing import prepare  # the passes build on this module
+
+    return Body(prepare(inner), consts)
+
+
+def call_body(eqn: JaxprEqn) -> Body | None:
+    """The body of a nested-call equation (jit, custom_jvp/vjp, remat), or None.
+
+    The body's input variables are its constants' variables followed by the
+    equation's inputs, in order.
+    """
+    name = eqn.primitive.name
+    param = _CALL_BODY_PARAM.get(name)
+    if param is None or param not in eqn.params:
+        return None
+    return as_body(eqn.params[param])
+
+
+def call_name(eqn: JaxprEqn) -> str:
+    """The name of the function a nested call wraps (``relu``), or ``""``."""
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    body = call_body(eqn)
+    info = getattr(body.jaxpr, "debug_info", None) if body is not None else None
+    src = getattr(info, "func_src_info", None)
+    return src.split(" ")[0] if isinstance(src, str) and src else ""
+
+
+def custom_vjp_bwd(eqn: JaxprEqn) -> Any:
+    """The user's backward function of a ``custom_vjp_call`` equation, or None."""
+    if eqn.primitive.name not in _CUSTOM_VJP_NAMES:
+        return None
+    bwd = eqn.params.get("bwd")
+    return getattr(bwd, "f", bwd)
+
+
+_TAG = "revnet_tag"
+
+
+def tag(bwd: Callable[..., Any], obj: Any) -> None:
+    """Attaches ``obj`` to a ``custom_vjp`` backward function, for :func:`tag_of`.
+
+    revnet's own custom VJPs (``custom_ivjp`` functions, the loops) tag their
+    backward function so that the analysis recognises their equations.
+    """
+    setattr(bwd, _TAG, obj)
+
+
+def tag_of(eqn: JaxprEqn) -> Any:
+    """The object tagged on a ``custom_vjp_call`` equation's backward, or None."""
+    return getattr(custom_vjp_bwd(eqn), _TAG, None)
+
+
+def custom_rule_kind(eqn: JaxprEqn) -> str | None:
+    """``"vjp"``/``"jvp"`` for calls with a user derivative rule, else None."""
+    name = eqn.primitive.name
+    if name in _CUSTOM_VJP_NAMES:
+        return "vjp"
+    if name == "custom_jvp_call":
+        return "jvp"
+    return None
+
+
+def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
+    return int(eqn.params.get("num_consts", 0))
+
+
+def custom_ivjp_key(eqn: JaxprEqn) -> tuple:
+    """The shapes and dtypes of a ``custom_vjp_call``'s own (not hoisted) inputs.
+
+    ``custom_ivjp`` functions record their pytrees under this key when called.
+    """
+    nh = custom_vjp_num_consts(eqn)
+    return tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars[nh:])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    body: Body
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool = 1
+
+
+def scan_params(eqn: JaxprEqn) -> ScanParams | None:
+    """Describes a ``scan`` equation, or returns None for anything else."""
+    if eqn.primitive.name != "scan":
+        return None
+    p = eqn.params
+    return ScanParams(
+        body=as_body(p["jaxpr"]),
+        num_consts=int(p["num_consts"]),
+        num_carry=int(p["num_carry"]),
+        length=int(p["length"]),
+        reverse=bool(p["reverse"]),
+        unroll=p.get("unroll", 1),
+    )
+
+
+def primitive_name(eqn: JaxprEqn) -> str:
+    return eqn.primitive.name
+
+
+def call_primitive_names() -> tuple[str, ...]:
+    """Names of the nested-call primitives, across JAX versions."""
+    return tuple(_CALL_BODY_PARAM)
+
+
+def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
+    """Runs one equation on ``args``; always returns a list of outputs."""
+    prim = eqn.primitive
+    params = prim.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
+        subfuns, params = params
+    else:
+        subfuns = ()
+    with eqn.ctx.manager:
+        out = prim.bind(*subfuns, *args, **params)
+    return list(out) if prim.multiple_results else [out]
+
+
+def eval_body(body: Body, *args: Any) -> list[Any]:
+    """Evaluates a nested body on its (non-const) inputs."""
+    return list(
+        jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(body.jaxpr, ()))(*body.consts, *args)
+    )
+
+
+_JAX_DIR = os.path.dirname(jax.__file__)
+_REVNET_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _siu is not None and hasattr(_siu, "register_exclusion"):
+    # Frames inside revnet are library frames: name the user's call site instead.
+    _siu.register_exclusion(_REVNET_DIR + os.sep)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """JAX's, revnet's and Haiku's folders: frames there are not the user's."""
+    dirs = [_JAX_DIR, _REVNET_DIR]
+    spec = importlib.util.find_spec("haiku")
+    if spec is not None and spec.origin:
+        dirs.append(os.path.dirname(spec.origin))
+    return tuple(dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+_ZERO_DERIVATIVE = frozenset({"stop_gradient", "floor", "ceil", "round", "sign"})
+
+
+def has_zero_derivative(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn``'s derivative is identically zero (``stop_gradient``, ...)."""
+    return primitive_name(eqn) in _ZERO_DERIVATIVE
+
+
+def where(eqn: JaxprEqn) -> str:
+    """The user's source line of ``eqn``, or ``""`` when it has only library frames.
+
+    Frames inside JAX, revnet and Haiku (a module's method interception) are
+    skipped, so an equation made inside a Haiku module names the user's line.
+    """
+    if _siu is None:  # pragma: no cover
+        return ""
+    try:
+        summary = _siu.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - defensive: never fail an error message
+        return ""
+    if summary and not summary.startswith(_LIBRARY_DIRS):
+        return summary
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", ())
+    for f in frames:  # innermost first
+        if not os.path.abspath(f.file_name).startswith(_LIBRARY_DIRS):
+            return f"{f.file_name}:{f.line_num} ({f.function_name})"
+    return ""
+
+
+def caller_site() -> str:
+    """``file:line (function)`` of the innermost frame outside revnet and JAX."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRS):
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return ""

@@ -1,0 +1,219 @@
+"""The rule table: every way the analysis can solve an equation, by primitive.
+
+One table holds two kinds of rule, looked up by primitive name:
+
+* :class:`InverseRule`, a primitive's inverse: ``solve(outs, ins, **params)``
+  returns the full list of inputs from the outputs and the known inputs
+  (``None`` where unknown). Its properties are recorded once, here:
+  ``elementwise`` (output element ``k`` depends on input element ``k`` only,
+  so that ``select_n``'s cases can be inverted position by position) and
+  ``takes_avals`` (the rule declares a keyword argument ``in_avals``, and is
+  given the abstract values, shapes and dtypes, of all the equation's
+  inputs: the only way to know the shape of an unknown input).
+* :class:`StructuralRule`, for equations solved by looking beyond one
+  equation: nested calls, ``scan``, ``select_n``, covering ``slice``\\ s,
+  ``custom_vjp`` calls and revnet's own loops. Its ``analyze`` hook is called
+  by the analysis and returns a plan step, which the interpreter runs through
+  the handler the same module registers. Its ``positionwise`` hook says
+  whether the equation may lie on a ``select_n`` case's chain.
+
+:func:`register_inverse` is the public way to add a primitive's inverse;
+:func:`names` and :func:`get` list the table. Every change bumps
+:func:`version`, which is part of the plan cache's key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+InverseRuleFn = Callable[..., Sequence[Any]]
+
+
+def _takes_avals(fn: Callable[..., Any] | None) -> bool:
+    if fn is None:
+        return False
+    try:
+        return "in_avals" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class InverseRule:
+    """A primitive's inverse rule.
+
+    Attributes:
+      name: the primitive's name.
+      solve: ``solve(outs, ins, **params) -> ins``; ``ins`` holds None for the
+        unknown inputs. It raises ``NotInvertibleError`` when it cannot solve.
+      check: optional trace-time check ``check(statics, **params)``;
+        ``statics`` holds the concrete value of each known input that is
+        fixed at trace time (a literal, or computed from literals), None for
+        the others. It raises ``NotInvertibleError`` when such a value loses
+        information (a multiplication by a constant zero).
+      elementwise: whether the primitive maps each element to the element at
+        the same position.
+      takes_avals: whether ``solve``/``check`` take ``in_avals``, the abstract
+        values of all the equation's inputs (detected from their signatures).
+    """
+
+    name: str
+    solve: InverseRuleFn
+    check: Callable[..., None] | None = None
+    elementwise: bool = False
+    takes_avals: bool = False
+    structural = False
+
+    def __call__(self, outs: Sequence[Any], ins: Sequence[Any], params, in_avals):
+        """Runs ``solve`` with the equation's params (and ``in_avals``)."""
+        extra = {"in_avals": list(in_avals)} if self.takes_avals else {}
+        return self.solve(outs, ins, **params, **extra)
+
+    def run_check(self, statics: Sequence[Any], params, in_avals) -> None:
+        if self.check is not None:
+            extra = {"in_avals": list(in_avals)} if _takes_avals(self.check) else {}
+            self.check(statics, **params, **extra)
+
+
+class StructuralRule:
+    """A rule that solves an equation by a plan step of its own.
+
+    Subclasses set ``name`` and implement ``analyze(analysis, i, eqn, ins,
+    outs)``: ``ins``/``outs`` say which inputs and (not dropped) outputs of
+    equation ``i`` are known. It returns ``(step, produced, eqns)`` (the step,
+    the variable ids it makes known, the equations it settles) or None after
+    recording why with ``analysis.fail``.
+    """
+
+    name: str = ""
+    structural = True
+    elementwise = False
+
+    def analyze(self, analysis: Any, i: int, eqn: Any, ins, outs) -> Any:
+        raise NotImplementedError
+
+    def positionwise(self, analysis: Any, i: int, eqn: Any, unknown: int) -> bool:
+        """Whether equation ``i`` maps its input ``unknown`` to its one output
+        position by position (the other inputs known), and can be solved so.
+
+        Such equations may lie on a ``select_n`` case's chain; the default is
+        False. A rule that says True implements :meth:`solve_positionwise`.
+        """
+        return False
+
+    def solve_positionwise(self, it: Any, i: int, eqn: Any, unknown: int, outs):
+        """Input ``unknown`` of equation ``i`` rebuilt from the values ``outs``.
+
+        The other inputs are read with ``it.read_in``; the result is exact at
+        the positions where ``outs`` are the equation's true outputs.
+        """
+        raise NotImplementedError
+
+
+_RULES: dict[str, Any] = {}
+_VERSION = [0]
+
+
+def _primitive_name(primitive: Any) -> str:
+    if isinstance(primitive, str):
+        return primitive
+    name = getattr(primitive, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(
+            "register_inverse expects a JAX primitive or its name, got "
+            f"{type(primitive).__name__}"
+        )
+    return name
+
+
+def register(
+    primitive: Any,
+    solve: InverseRuleFn,
+    check: Callable[..., None] | None = None,
+    *,
+    elementwise: bool = False,
+) -> InverseRule:
+    """Registers (or replaces) a primitive's inverse rule, with its properties."""
+    if not callable(solve):
+        raise TypeError(f"register_inverse expects a callable rule, got {solve!r}")
+    if check is not None and not callable(check):
+        raise TypeError(f"register_inverse expects a callable check, got {check!r}")
+    name = _primitive_name(primitive)
+    rule = InverseRule(name, solve, check, bool(elementwise), _takes_avals(solve))
+    _RULES[name] = rule
+    _VERSION[0] += 1
+    return rule
+
+
+def register_structural(names: Sequence[str], rule: StructuralRule) -> None:
+    """Registers a structural rule for each primitive name in ``names``."""
+    for name in names:
+        _RULES[name] = rule
+    _VERSION[0] += 1
+
+
+def unregister(name: str) -> None:
+    """Removes the rule of the primitive ``name`` (for tests)."""
+    _RULES.pop(name, None)
+    _VERSION[0] += 1
+
+
+def register_inverse(
+    primitive: Any, rule: InverseRuleFn, check: Callable[..., None] | None = None
+) -> None:
+    """Registers (or replaces) the inverse rule of ``primitive``.
+
+    The rule is called as ``rule(outs, ins, **params)`` where ``outs`` lists
+    the equation's outputs, ``ins`` its inputs with None for the unknown ones,
+    and ``params`` are the equation's params (accept and ignore extras). It
+    returns the full list of inputs. A rule that needs the shapes or dtypes of
+    the inputs declares a keyword argument ``in_avals`` and receives the
+    inputs' abstract values (``.shape``, ``.dtype``). The analysis first calls
+    it on abstract values (``jax.eval_shape``), so it must decide from shapes,
+    dtypes and params alone whether it applies.
+
+    Example::
+
+        def sinh_inverse(outs, ins, **params):
+            return [jnp.arcsinh(outs[0])]
+
+        revnet.register_inverse(jax.extend.core.primitives.sinh_p, sinh_inverse)
+
+    Args:
+      primitive: a JAX primitive (``jax.extend.core.primitives.exp_p``) or its
+        name (``"exp"``).
+      rule: ``rule(outs, ins, **params) -> ins``. Raise
+        :class:`~revnet.NotInvertibleError` when it cannot solve.
+      check: optional ``check(statics, **params)``, run at trace time with the
+        known inputs whose values are fixed then (``None`` for the others);
+        raise :class:`~revnet.NotInvertibleError` when those values lose
+        information.
+
+    Raises:
+      TypeError: if ``primitive`` is neither a primitive nor a name, or
+        ``rule`` or ``check`` is not callable.
+    """
+    register(primitive, rule, check)
+
+
+def lookup(primitive_name: str) -> Any:
+    """The rule for a primitive name, or None."""
+    return _RULES.get(primitive_name)
+
+
+def get(name: str) -> Any:
+    """The registered rule of ``name`` (``.elementwise``, ``.structural``), or None."""
+    return _RULES.get(name)
+
+
+def names() -> list[str]:
+    """The names of all primitives with a registered rule, sorted."""
+    return sorted(_RULES)
+
+
+def version() -> int:
+    """A counter bumped by every change to the table."""
+    return _VERSION[0]

@@ -1,0 +1,294 @@
+"""Structural rules for ``select_n`` with a known predicate and covering slices.
+
+* ``select_n(pred, *cases)`` (``jnp.where``) with a known predicate: each case
+  is inverted separately from the selected output, by a chain of
+  *position-wise* solves back to values common to all cases: elementwise
+  rules (the property recorded on each rule in the registry), structural
+  equations whose rule's ``positionwise`` hook says so (calls and scans whose
+  bodies are such chains), and nested selects with a known predicate, which
+  fork the chain. Where the predicates pick a chain, its reconstruction is
+  exact; the results are merged with the predicates.
+* ``slice`` equations whose known outputs together cover an unknown value
+  (``x[..., :h]``, ``x[..., h:]``) rebuild it, by concatenation when they cut
+  along one axis in order, else by placing each piece.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from revnet._engine import checks, registry
+from revnet._engine import jaxpr as jx
+from revnet._engine.analysis import Analysis, abstract_solve
+from revnet._engine.errors import NotInvertibleError, degenerate
+from revnet._engine.interpreter import Handler, register_handler
+from revnet._engine.plan import Select, Tile
+
+
+class SelectRule(registry.StructuralRule):
+    name = "select_n"
+
+    def analyze(self, an, i, eqn, ins, outs):
+        if not all(outs):
+            return None
+        ids = an.wiring.eqn_ins[i]
+        cases = list(dict.fromkeys(ids[1:]))
+        if not an.is_known(ids[0]):
+            an.fail(i, eqn, "the predicate of select_n is unknown")
+            return None
+        if any(an.is_known(c) for c in cases):
+            an.fail(
+                i,
+                eqn,
+                "select_n with an unknown case is determined only where that case "
+                "is selected",
+            )
+            return None
+        shape = tuple(jx.aval(eqn.outvars[0]).shape)
+        branches, reached = [], []
+        for case in cases:
+            for chain, local in _chain_to(an, case, shape):
+                branches.append((ids.index(case, 1), chain))
+                reached.append(local)
+        common = [v for v in reached[0] if all(v in r for r in reached[1:])]
+        if not common:
+            an.fail(
+                i,
+                eqn,
+                "its cases are not elementwise-invertible functions of one common "
+                "value",
+            )
+            return None
+        return Select(i, tuple(common), tuple(branches)), common, (i,)
+
+
+def _chain_to(an, case, shape):
+    """Position-wise solves from ``case`` back towards known values.
+
+    Returns one ``(chain, local)`` per leaf: a nested ``select_n`` with a known
+    predicate forks the walk, one leaf per case, recorded in the chain as
+    ``(eqn, "select_n", case position)``. ``local`` lists the variables the
+    chain rebuilds, each exact where every select on the way picks that leaf.
+    """
+    w, steps, local, v = an.wiring, (), (case,), case
+    while (j := an.eqn_of.get(v)) is not None:
+        e = an.jaxpr.eqns[j]
+        name = jx.primitive_name(e)
+        if not all(o in local for o in w.eqn_outs[j]):
+            break
+        if name == "select_n":
+            forks = _forks(an, j, local, shape)
+            if forks is None:
+                break
+            leaves = []
+            for u in forks:
+                u_id = w.eqn_ins[j][u]
+                for chain, reached in _chain_to(an, u_id, shape):
+                    leaves.append(((*steps, (j, name, u), *chain), local + reached))
+            return leaves
+        u = _position_step(an, j, e, local, shape)
+        if u is None:
+            break
+        steps += ((j, name, u),)
+        v = w.eqn_ins[j][u]
+        local += (v,)
+    return [(steps, local)]
+
+
+def _forks(an, j, local, shape):
+    """The case positions of a nested ``select_n`` to follow, or None."""
+    ids = an.wiring.eqn_ins[j]
+    cases = ids[1:]
+    if not an.is_known(ids[0]) or len(set(cases)) != len(cases):
+        return None
+    for c in cases:
+        if an.is_known(c) or c in local or tuple(an.avals[c].shape) != shape:
+            return None
+    return range(1, len(ids))
+
+
+def _position_step(an, j, e, local, shape):
+    """The one unknown input of equation ``j`` if it solves position-wise."""
+    w = an.wiring
+    rule = registry.lookup(jx.primitive_name(e))
+    unk = [n for n, u in enumerate(w.eqn_ins[j]) if not an.is_known(u)]
+    if rule is None or len(unk) != 1:
+        return None
+    u = w.eqn_ins[j][unk[0]]
+    if u in local or tuple(an.avals[u].shape) != shape:
+        return None
+    if rule.structural:
+        return unk[0] if rule.positionwise(an, j, e, unk[0]) else None
+    if not rule.elementwise:
+        return None
+    mask = [n != unk[0] for n in range(len(e.invars))]
+    try:
+        abstract_solve(rule, e, mask, lambda n: an.static_value(j, n))
+    except NotInvertibleError:
+        return None
+    return unk[0]
+
+
+def positionwise_path(jaxpr, known_in, out: int, target: int) -> bool:
+    """Whether output ``out`` of ``jaxpr`` is a position-wise invertible
+    function of its input ``target``, the inputs ``known_in`` being known.
+
+    Used by the ``positionwise`` hooks of calls and scans on their bodies.
+    """
+    an = Analysis(jaxpr, known_in, [False] * len(jaxpr.outvars))
+    w = an.wiring
+    for j, ins in enumerate(w.eqn_ins):  # what is computed from known inputs
+        if all(an.is_known(v) for v in ins):
+            an.known.update(v for v in w.eqn_outs[j] if v is not None)
+    start, goal = w.outvars[out], w.invars[target]
+    if start is None or an.is_known(start):
+        return False
+    shape = tuple(an.avals[start].shape)
+    if tuple(an.avals[goal].shape) != shape:
+        return False
+    return all(goal in local for _, local in _chain_to(an, start, shape))
+
+
+class _SelectHandler(Handler):
+    def needs(self, it, step):
+        w = it.wiring
+        needs = [w.eqn_ins[step.eqn][0], *w.eqn_outs[step.eqn]]
+        for _, chain in step.branches:
+            for j, name, u in chain:
+                if name == "select_n":
+                    needs.append(w.eqn_ins[j][0])
+                else:
+                    needs += [v for n, v in enumerate(w.eqn_ins[j]) if n != u]
+        return needs
+
+    def run(self, it, step, out_cts):
+        w, eqns = it.wiring, it.jaxpr.eqns
+        pred = it.read_in(step.eqn, 0)
+        y = it.read(w.eqn_outs[step.eqn][0])
+        ids = w.eqn_ins[step.eqn]
+        merged: dict = {}
+        for pos, chain in step.branches:
+            where = pred == pos - 1  # where this leaf's values are exact
+            local = {ids[pos]: y}
+            for j, name, u in chain:
+                e = eqns[j]
+                if name == "select_n":  # a nested select's case, where picked
+                    where = where & (it.read_in(j, 0) == u - 1)
+                    local[w.eqn_ins[j][u]] = local[w.eqn_outs[j][0]]
+                    continue
+                ins = [
+                    None if n == u else it.read_in(j, n) for n in range(len(e.invars))
+                ]
+                outs = [local[o] for o in w.eqn_outs[j]]
+                rule = registry.lookup(name)
+                if rule.structural:
+                    # Its own records would hold where this leaf is not picked.
+                    with checks.scope():
+                        solved = rule.solve_positionwise(it, j, e, u, outs)
+                else:
+                    avals = [jx.aval(v) for v in e.invars]
+                    solved = rule(outs, ins, e.params, avals)[u]
+                local[w.eqn_ins[j][u]] = solved
+                checks.record(
+                    [jnp.where(where, solved, 0)],
+                    [y, *[x for x in ins if x is not None]],
+                    degenerate(e),
+                )
+            for v in step.vars:
+                old = merged.get(v)
+                merged[v] = local[v] if old is None else jnp.where(where, local[v], old)
+        for v in step.vars:
+            it.set([v], [merged[v]])
+        return None
+
+
+class TileRule(registry.StructuralRule):
+    name = "slice"
+
+    def analyze(self, an, i, eqn, ins, outs):
+        if not all(outs):
+            return None
+        operand = an.wiring.eqn_ins[i][0]
+        if an.is_known(operand):
+            return None
+        cover = np.zeros(an.avals[operand].shape, dtype=bool)
+        used = []
+        for j in an.consumers.get(operand, ()):
+            e = an.jaxpr.eqns[j]
+            if jx.primitive_name(e) != "slice" or an.wiring.eqn_ins[j][0] != operand:
+                continue
+            if not all(an.is_known(v) for v in an.wiring.eqn_outs[j]):
+                continue
+            strides = e.params.get("strides")
+            if strides is not None and any(s != 1 for s in strides):
+                continue
+            start, limit = e.params["start_indices"], e.params["limit_indices"]
+            cover[tuple(slice(a, b) for a, b in zip(start, limit))] = True
+            used.append(j)
+        if not used or not cover.all():
+            an.fail(
+                i,
+                eqn,
+                "`slice` has no inverse rule; slices rebuild a value only when "
+                "together they cover it",
+            )
+            return None
+        return Tile(operand, tuple(used)), [operand], tuple(used)
+
+
+class _TileHandler(Handler):
+    def needs(self, it, step):
+        return [v for j in step.eqns for v in it.wiring.eqn_outs[j]]
+
+    def run(self, it, step, out_cts):
+        eqns = [it.jaxpr.eqns[j] for j in step.eqns]
+        aval = jx.aval(eqns[0].invars[0])
+        pieces = [it.read(it.wiring.eqn_outs[j][0]) for j in step.eqns]
+        axis, order = partition_axis(eqns, tuple(aval.shape))
+        if axis is not None:  # the common split ``x[..., :h]``, ``x[..., h:]``
+            ordered = [pieces[n] for n in order]
+            value = ordered[0] if len(ordered) == 1 else lax.concatenate(ordered, axis)
+        else:
+            value = jnp.zeros(aval.shape, aval.dtype)
+            for eqn, piece in zip(eqns, pieces):
+                start = eqn.params["start_indices"]
+                value = lax.dynamic_update_slice(value, piece.astype(aval.dtype), start)
+        it.set([step.var], [value])
+        return None
+
+
+def partition_axis(eqns, shape):
+    """``(axis, order)`` when the slices split ``shape`` along one axis, in order.
+
+    Returns ``(None, None)`` when they overlap or cut along several axes.
+    """
+    bounds, axes = [], set()
+    for n, eqn in enumerate(eqns):
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        cut = [d for d in range(len(shape)) if (start[d], limit[d]) != (0, shape[d])]
+        if len(cut) > 1:
+            return None, None
+        axes.update(cut)
+        bounds.append((start, limit, n))
+    if len(axes) > 1:
+        return None, None
+    if not axes:
+        return 0, [bounds[0][2]]  # one slice is the whole value
+    (axis,) = axes
+    bounds.sort(key=lambda b: b[0][axis])
+    end = 0
+    for start, limit, _ in bounds:
+        if start[axis] != end:
+            return None, None
+        end = limit[axis]
+    if end != shape[axis]:
+        return None, None
+    return axis, [n for _, _, n in bounds]
+
+
+registry.register_structural(["select_n"], SelectRule())
+registry.register_structural(["slice"], TileRule())
+register_handler(Select, _SelectHandler())
+register_handler(Tile, _TileHandler())

@@ -1,0 +1,164 @@
+r"""Tracing a function to the jaxpr the analysis reads.
+
+:func:`trace` closure-converts a function to an open jaxpr whose inputs are its
+closed-over values followed by its arguments, then prepares it: nested
+``jit``\ s without constants are inlined (an inverse may need equations on
+both sides of the boundary), dropped ``scan`` outputs get a variable, and
+duplicate equations are merged. None of these passes changes what is
+computed. The jaxpr objects themselves are reached through :mod:`.jaxpr`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from revnet._engine import jaxpr as jx
+
+
+def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list, Any]:
+    """Traces ``fun(*args)`` (flat arrays) to an open jaxpr plus its consts.
+
+    Returns:
+      ``(jaxpr, consts, out_tree)``; ``jaxpr.invars`` are the consts' variables
+      followed by the arguments' variables, and ``jaxpr.constvars`` is empty.
+      ``consts`` holds every closed-over value, possibly tracers of an outer
+      transformation or integer arrays (keys, counters).
+    """
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    jaxpr = closed.jaxpr
+    consts = list(closed.consts)
+    open_jaxpr = jaxpr.replace(
+        constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars)
+    )
+    return prepare(open_jaxpr), consts, out_tree
+
+
+def prepare(jaxpr: Any) -> Any:
+    """Inlines jits, names dropped scan outputs and merges duplicate equations.
+
+    Nested bodies (:func:`.jaxpr.call_body`) are prepared the same way.
+    """
+    return cse(_name_scan_outputs(inline_jits(jaxpr)))
+
+
+def inline_jits(jaxpr: Any) -> Any:
+    """Replaces nested ``jit`` equations (without constants) by their bodies.
+
+    ``jnp`` functions are jits (``jnp.where`` is a jit around ``select_n``), and
+    inverting them may need equations on both sides of the boundary. Inlining
+    does not change what is computed.
+    """
+
+    def inlinable(e):
+        return e.primitive.name in jx.JIT_NAMES and not jx.closed_consts(
+            e.params["jaxpr"]
+        )
+
+    if not any(inlinable(e) for e in jaxpr.eqns):
+        return jaxpr
+    sub: dict = {}
+
+    def outer(a):
+        return a if isinstance(a, jx.Literal) else sub.get(a, a)
+
+    eqns = []
+    for e in jaxpr.eqns:
+        if not inlinable(e):
+            eqns.append(e.replace(invars=[outer(a) for a in e.invars]))
+            continue
+        inner = inline_jits(jx.as_body(e.params["jaxpr"]).jaxpr)
+        env = {bv: outer(ov) for bv, ov in zip(inner.invars, e.invars)}
+
+        def rename(a, env=env):
+            if isinstance(a, jx.Literal) or jx.is_dropvar(a):
+                return a
+            if a not in env:
+                env[a] = jx.Var(a.aval)
+            return env[a]
+
+        for ie in inner.eqns:
+            # Equations of library code (``jnp.sort``) carry only library frames:
+            # they are attributed to the user's call of the inlined function.
+            info = ie.source_info if jx.where(ie) else e.source_info
+            eqns.append(
+                ie.replace(
+                    invars=[rename(a) for a in ie.invars],
+                    outvars=[rename(a) for a in ie.outvars],
+                    source_info=info,
+                )
+            )
+        for ov, bo in zip(e.outvars, inner.outvars):
+            if not jx.is_dropvar(ov):
+                sub[ov] = rename(bo)
+    return jaxpr.replace(eqns=eqns, outvars=[outer(a) for a in jaxpr.outvars])
+
+
+def _name_scan_outputs(jaxpr: Any) -> Any:
+    """Gives dropped outputs of ``scan`` equations a variable.
+
+    ``fori_loop`` drops its final counter; naming it lets the analysis compute
+    it forward and then run the loop backwards from it.
+    """
+    if not any(
+        e.primitive.name == "scan" and any(jx.is_dropvar(v) for v in e.outvars)
+        for e in jaxpr.eqns
+    ):
+        return jaxpr
+    eqns = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            outs = [jx.Var(v.aval) if jx.is_dropvar(v) else v for v in e.outvars]
+            e = e.replace(outvars=outs)
+        eqns.append(e)
+    return jaxpr.replace(eqns=eqns)
+
+
+def cse(jaxpr: Any) -> Any:
+    """Merges equations that compute the same thing from the same inputs.
+
+    ``x[:, 2:]`` written twice is two ``slice`` equations; once merged, knowing
+    one output means knowing the other. Equations with effects, and those
+    whose params cannot be compared, are kept as they are.
+    """
+    seen: dict = {}
+    sub: dict = {}
+    eqns = []
+
+    def outer(a):
+        return a if isinstance(a, jx.Literal) else sub.get(a, a)
+
+    for e in jaxpr.eqns:
+        e = e.replace(invars=[outer(a) for a in e.invars])
+        key = _eqn_key(e)
+        hit = seen.get(key) if key is not None else None
+        if hit is not None:
+            for ov, hv in zip(e.outvars, hit.outvars):
+                if not jx.is_dropvar(ov):
+                    sub[ov] = hv
+            continue
+        if key is not None and not any(jx.is_dropvar(v) for v in e.outvars):
+            seen[key] = e
+        eqns.append(e)
+    if not sub:
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, outvars=[outer(a) for a in jaxpr.outvars])
+
+
+def _eqn_key(e: Any) -> Any:
+    if e.effects:
+        return None
+    try:
+        params = tuple(sorted(e.params.items()))
+        ins = tuple(
+            ("lit", jx.literal_key(a)) if isinstance(a, jx.Literal) else a
+            for a in e.invars
+        )
+        key = (e.primitive.name, ins, params)
+        hash(key)
+    except TypeError:
+        return None
+    return key
