@@ -76,6 +76,29 @@ def test_user_rule_may_ask_for_input_avals():
         registry.unregister("sin")
 
 
+@pytest.mark.parametrize("elementwise", [False, True])
+def test_user_rule_marked_elementwise_inverts_inside_where(elementwise):
+    def rule(outs, ins, **params):
+        return [jnp.arcsin(outs[0])]
+
+    x = _x("float32") * 0.3
+    m = x > 0
+
+    def f(x):
+        return jnp.where(m, jnp.sin(x), 2 * x)
+
+    revnet.register_inverse("sin", rule, elementwise=elementwise)
+    try:
+        assert registry.get("sin").elementwise == elementwise
+        if elementwise:
+            check_against_autodiff(f, x)
+        else:
+            with pytest.raises(revnet.NotInvertibleError, match="select_n"):
+                revnet.invertible(f)(x)
+    finally:
+        registry.unregister("sin")
+
+
 # --------------------------------------------------------------------------- #
 # Plans keyed by structure: warm eager calls analyse nothing and print nothing.
 

@@ -162,7 +162,11 @@ def unregister(name: str) -> None:
 
 
 def register_inverse(
-    primitive: Any, rule: InverseRuleFn, check: Callable[..., None] | None = None
+    primitive: Any,
+    rule: InverseRuleFn,
+    check: Callable[..., None] | None = None,
+    *,
+    elementwise: bool = False,
 ) -> None:
     """Registers (or replaces) the inverse rule of ``primitive``.
 
@@ -191,12 +195,15 @@ def register_inverse(
         known inputs whose values are fixed then (``None`` for the others);
         raise :class:`~revnet.NotInvertibleError` when those values lose
         information.
+      elementwise: whether output element ``k`` depends on input element ``k``
+        only (and the rule solves position by position), so that the rule may
+        be used inside the cases of ``jnp.where``.
 
     Raises:
       TypeError: if ``primitive`` is neither a primitive nor a name, or
         ``rule`` or ``check`` is not callable.
     """
-    register(primitive, rule, check)
+    register(primitive, rule, check, elementwise=elementwise)
 
 
 def lookup(primitive_name: str) -> Any:
