@@ -63,17 +63,12 @@ from revnet._engine import (
     checks,
     cotangents,
     eval_body,
+    leaf_paths,
     not_invertible,
     trace,
 )
 
 __all__ = ["inverse", "invertible"]
-
-
-def _leaf_paths(tree_args: Any) -> list[str]:
-    paths, _ = jax.tree_util.tree_flatten_with_path(tree_args)
-    # A path starts with [i] for the i-th positional argument.
-    return [f"args{jax.tree_util.keystr(path)}" for path, _leaf in paths]
 
 
 def _check_args(args: tuple, fname: str) -> None:
@@ -135,7 +130,9 @@ class _Invertible:
         n_consts = len(consts)
         # The plan is cached by structure; the custom VJP closes over this
         # trace's jaxpr (its rules and nested constants), so it is made anew.
-        plan = _plan(jaxpr, n_consts, len(flat_args), lambda: _leaf_paths(args), fname)
+        plan = _plan(
+            jaxpr, n_consts, len(flat_args), lambda: leaf_paths("args", args), fname
+        )
         outs = _vjp_fun(jaxpr, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
@@ -222,7 +219,7 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
         return base(*jax.tree_util.tree_unflatten(in_tree, flat))
 
     def paths():
-        return _leaf_paths(structs)
+        return leaf_paths("args", structs)
 
     # Analyse once, now, so that errors surface at the call to ``inverse``.
     jaxpr0, consts0, out_tree = trace(flat_fun, flat_structs)

@@ -54,8 +54,10 @@ from revnet._engine import (
     Stuck,
     analyze,
     aval,
+    leaf_paths,
     not_invertible,
     scan_function,
+    show,
     trace,
     while_function,
 )
@@ -76,11 +78,6 @@ def _strong(x: Any) -> jax.Array:
     """``x`` as an array with a definite (not weak) dtype, as the loop carry."""
     x = jnp.asarray(x)
     return jnp.asarray(x, dtype=x.dtype)
-
-
-def _leaf_paths(prefix: str, tree: Any) -> list[str]:
-    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [prefix + jax.tree_util.keystr(p) for p, _ in paths]
 
 
 def _avals(vars_: Any) -> list[Any]:
@@ -108,15 +105,9 @@ def _check_carry(
             )
 
 
-def _show(value: Any) -> str:
-    """A one-line, bounded ``repr`` of ``value`` for an error message."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _check_callable(fname: str, arg: str, fun: Any) -> None:
     if not callable(fun):
-        raise TypeError(f"{fname}: {arg} must be callable, got {_show(fun)}")
+        raise TypeError(f"{fname}: {arg} must be callable, got {show(fun)}")
 
 
 def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
@@ -154,7 +145,7 @@ def _check_max_steps(max_steps: Any) -> int | None:
         bound = operator.index(max_steps)
     except TypeError:
         raise TypeError(
-            f"while_loop: max_steps must be {expected}, got {_show(max_steps)}"
+            f"while_loop: max_steps must be {expected}, got {show(max_steps)}"
         ) from None
     if bound < 0:
         raise ValueError(f"while_loop: max_steps must be non-negative, got {bound}")
@@ -260,7 +251,7 @@ def while_loop(
             body_jaxpr, (True,) * nk + (False,) * len(leaves), (True,) * len(leaves)
         )
     except Stuck as stuck:
-        paths = _leaf_paths("init_val", init_val)
+        paths = leaf_paths("init_val", init_val)
         raise not_invertible(stuck, paths, nk, bname) from None
     run = while_function(body_jaxpr, cond_jaxpr, plan, nk, bound, _BACKWARD_STEP_HOOKS)
     final = run(list(body_consts), list(cond_consts), leaves)
@@ -281,7 +272,7 @@ def _check_length(length: Any) -> int | None:
         n = operator.index(length)
     except TypeError:
         raise TypeError(
-            f"scan: length must be {expected}, got {_show(length)}"
+            f"scan: length must be {expected}, got {show(length)}"
         ) from None
     if n < 0:
         raise ValueError(f"scan: length must be non-negative, got {n}")
@@ -292,7 +283,7 @@ def _check_reverse(reverse: Any) -> bool:
     if not isinstance(reverse, (bool, np.bool_)):
         raise TypeError(
             "scan: reverse must be a bool known at trace time (True or False), got "
-            f"{_show(reverse)}"
+            f"{show(reverse)}"
         )
     return bool(reverse)
 
@@ -306,7 +297,7 @@ def _check_unroll(unroll: Any) -> int | bool:
         u = operator.index(unroll)
     except TypeError:
         raise TypeError(
-            f"scan: unroll must be {expected}, got {_show(unroll)}"
+            f"scan: unroll must be {expected}, got {show(unroll)}"
         ) from None
     if u < 0:
         raise ValueError(f"scan: unroll must be {expected}, got {u}")
@@ -443,7 +434,7 @@ def scan(
             (True,) * len(jaxpr.outvars),
         )
     except Stuck as stuck:
-        raise not_invertible(stuck, _leaf_paths("init", init), nk, fname) from None
+        raise not_invertible(stuck, leaf_paths("init", init), nk, fname) from None
     run = scan_function(ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll), plan)
     final, ys = run(list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))

@@ -18,7 +18,13 @@ from revnet._engine import (
     select,  # noqa: F401  (registers its rules)
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
-from revnet._engine.errors import NotInvertibleError, Stuck, not_invertible
+from revnet._engine.errors import (
+    NotInvertibleError,
+    Stuck,
+    leaf_paths,
+    not_invertible,
+    show,
+)
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
 from revnet._engine.loops import scan_function, while_function
@@ -41,7 +47,9 @@ __all__ = [
     "checks",
     "cotangents",
     "eval_body",
+    "leaf_paths",
     "not_invertible",
+    "show",
     "register_inverse",
     "registry",
     "scan_function",

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from revnet._engine import jaxpr as jx
 
 
@@ -93,6 +95,18 @@ def not_invertible(
         f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "
         f"{names} could not be recovered"
     )
+
+
+def leaf_paths(prefix: str, tree: Any) -> list[str]:
+    """``prefix`` plus each leaf's path (``args[0]['w']``), for error messages."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [prefix + jax.tree_util.keystr(p) for p, _ in paths]
+
+
+def show(value: Any) -> str:
+    """A one-line, bounded ``repr`` of ``value`` for an error message."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def degenerate(eqn: Any) -> str:

@@ -10,6 +10,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from revnet._engine import show
+
 
 def check_input(
     module: str,
@@ -75,12 +77,6 @@ def check_output(module: str, what: str, out: Any, shape: tuple[int, ...]) -> No
 # --------------------------------------------------------------------------- #
 # Constructor arguments: checked up front, one-line errors that name the module,
 # the argument, the value and what was expected.
-
-
-def show(value: Any) -> str:
-    """A one-line, bounded ``repr`` of ``value`` for an error message."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _fail(
