@@ -1,10 +1,11 @@
 """Runs every experiment, each in its own process, then writes ``REPORT.md``.
 
 ``make demo`` runs ``python -m experiments.demo --quick --out results``: the
-memory sweep, the digits training, the numerics sweep, the loops experiment
-and the call-overhead benchmark, then ``results/REPORT.md`` with their tables
-and plots. A script that fails is reported and the others still run; the exit
-status is non-zero if any failed.
+memory sweep, the step-time comparison with plain Haiku, the digits training,
+the numerics sweep, the loops experiment and the call-overhead benchmark,
+then ``results/REPORT.md`` with their tables and plots. A script that fails
+is reported and the others still run; the exit status is non-zero if any
+failed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from experiments import common
 
-SCRIPTS = ("memory", "train", "numerics", "loops", "overhead")
+SCRIPTS = ("memory", "speed", "train", "numerics", "loops", "overhead")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,10 +1,14 @@
-"""Memory, FLOPs and time of training the same parameters three ways, vs depth.
+"""Memory, FLOPs and time of training the same parameters every way, vs depth.
 
-For each model (an MLP coupling stack, the CIFAR-shaped ``RevNet``, the
-``ReversibleTransformer``) and each depth, the same parameters are trained with
-standard backprop, per-block checkpointing and the reversible backward pass (and,
-for the MLP, the same stack written as a plain function under
-``@revnet.invertible``). Reported per configuration: compiled activation memory
+For each model (an MLP coupling stack, the peers' conv stack, the CIFAR-shaped
+``RevNet``, the ``ReversibleTransformer``) and each depth, the same parameters
+are trained as plain Haiku (an unrolled Python loop of the blocks, and
+``hk.layer_stack``), with standard backprop on the ``reversible=False`` twin,
+with per-block checkpointing and with the reversible backward pass (and, for
+the MLP, the same stack written as a plain function under
+``@revnet.invertible``). Ratios are given to the twin and to the *best plain*
+baseline, the faster of the two plain-Haiku layouts. Reported per
+configuration: compiled activation memory
 (``memory_analysis().temp_size_in_bytes``), FLOPs (``cost_analysis``; a scan
 body is counted once, so these are per-block figures for scanned stacks and
 the MLP is also measured unrolled), median step time over alternating runs,
@@ -28,19 +32,27 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 # training-step compile takes 5-9 s there, so the RevNet gets two depths.
 DEPTHS_QUICK = {
     "mlp": [2, 8, 32],
+    "conv": [2, 8],
     "revnet": [1, 3],
     "transformer": [2, 8, 32],
 }
 DEPTHS_FULL = {
     "mlp": [2, 4, 8, 16, 32, 64, 128],
+    "conv": [2, 4, 8, 16, 32, 64],
     "revnet": [1, 2, 4, 9, 18],
     "transformer": [2, 4, 8, 16, 32, 64],
 }
-DEPTHS_TINY = {"mlp": [2, 8, 32], "revnet": [1, 2], "transformer": [2, 8]}
+DEPTHS_TINY = {
+    "mlp": [2, 8, 32],
+    "conv": [2],
+    "revnet": [1, 2],
+    "transformer": [2, 8],
+}
 # What --quick measures beyond the sweep, per model (compiling a RevNet takes
 # several seconds, so its budget search and RSS runs are left to full runs).
 QUICK_EXTRAS = {
     "mlp": {"budget": "both", "rss": True},
+    "conv": {"budget": "none", "rss": False},
     "transformer": {"budget": "none", "rss": False},
     "revnet": {"budget": "none", "rss": False},
 }
@@ -149,7 +161,7 @@ def sweep_model(
             spec = {"model": model, "method": method, "depth": depth, **sizes}
             try:
                 built = models.build(spec, init=init)
-                init = built.args[:2]
+                init = built.init
                 exe, stats = common.compile_stats(built.grad_step, *built.args)
             except models.Unavailable as err:
                 missing[method] = str(err)
@@ -193,8 +205,28 @@ def sweep_model(
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Ratios to the standard twin, and to the best plain baseline.
+
+    The best plain baseline at a depth is the faster (median step time) of
+    ``plain`` (an unrolled plain-Haiku loop) and ``layer_stack``.
+    """
+    from experiments.baselines import PLAIN_METHODS
+
     base = {r["depth"]: r for r in rows if r["method"] == "standard"}
+    best: dict[int, dict[str, Any]] = {}
     for row in rows:
+        if row["method"] in PLAIN_METHODS and "median_s" in row:
+            held = best.get(row["depth"])
+            if held is None or row["median_s"] < held["median_s"]:
+                best[row["depth"]] = row
+    for row in rows:
+        plain = best.get(row["depth"])
+        if plain is not None and "median_s" in row:
+            row["best_plain"] = plain["method"]
+            row["time_vs_best_plain"] = row["median_s"] / plain["median_s"]
+            row["temp_vs_best_plain"] = row["temp_bytes"] / max(
+                plain["temp_bytes"], 1.0
+            )
         ref = base.get(row["depth"])
         if ref is None:
             continue
@@ -216,8 +248,12 @@ def _budgets(
 ) -> dict[str, Any]:
     budget = args.budget_mib * common.MIB
     out: dict[str, Any] = {"budget_mib": args.budget_mib, "methods": {}}
+    from experiments.baselines import PLAIN_METHODS
+
     depth_cap = 4096 if model == "mlp" else 256
-    for method in {r["method"] for r in rows}:
+    # Compiling ever deeper unrolled plain stacks costs minutes: the plain
+    # baselines' memory is read off the sweep instead.
+    for method in {r["method"] for r in rows} - set(PLAIN_METHODS):
         mine = sorted(
             (r for r in rows if r["method"] == method), key=lambda r: r["depth"]
         )
@@ -253,7 +289,7 @@ def _unrolled_flops(sizes: dict[str, Any], methods: list[str]) -> dict[str, Any]
 
     out: dict[str, Any] = {"depths": [2, 4], "per_block_flops": {}}
     for method in methods:
-        if method == "generic":
+        if method in ("generic", "plain", "layer_stack"):
             continue
         flops = []
         for depth in (2, 4):
@@ -317,6 +353,8 @@ def plot(results: dict[str, Any], out: str) -> str:
         "checkpoint": ("tab:orange", "s"),
         "reversible": ("tab:green", "^"),
         "generic": ("tab:blue", "x"),
+        "plain": ("tab:purple", "D"),
+        "layer_stack": ("tab:brown", "v"),
     }
     for ax_row, name in zip(axes, names, strict=False):
         rows = results["models"][name]["rows"]
@@ -441,6 +479,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     "time_ratio",
                     "time_ratio_min",
                     "time_ratio_max",
+                    "time_vs_best_plain",
+                    "temp_vs_best_plain",
                 )
             }
         if rev:

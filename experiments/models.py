@@ -11,9 +11,18 @@ sizes. Methods:
 * ``reversible``: the blocks with ``reversible=True``.
 * ``generic`` (MLP only): the same math as a plain function, a ``lax.scan`` over
   the very same stacked weights inside ONE ``@revnet.invertible`` function.
+* ``plain``: the same block functions in a Python loop, plain Haiku with
+  ordinary backprop, the baseline a user has without revnet
+  (:mod:`experiments.baselines`);
+* ``layer_stack``: the same block functions under ``hk.layer_stack``.
 
-All four share one parameter tree (the ``standard`` model's ``init``), so the
-measured differences come from the method alone.
+All share one parameter tree (the ``standard`` model's ``init``, renamed or
+sliced per layer for the two plain layouts), so the measured differences come
+from the method alone.
+
+Models: ``mlp`` (tanh-linear additive couplings), ``conv`` (the conv stack the
+PyTorch peers MemCNN and RevLib benchmark: additive couplings whose ``F`` and
+``G`` are Conv2D - BatchNorm - ReLU - Conv2D), ``revnet`` and ``transformer``.
 """
 
 from __future__ import annotations
@@ -28,11 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
-from experiments import common
+from experiments import baselines, common
 from revnet import blocks
 
-MODELS = ("mlp", "revnet", "transformer")
-METHODS = ("standard", "checkpoint", "reversible", "generic")
+MODELS = ("mlp", "conv", "revnet", "transformer")
+METHODS = ("standard", "checkpoint", "reversible", "generic", "plain", "layer_stack")
 
 
 class Unavailable(RuntimeError):
@@ -43,6 +52,8 @@ def default_sizes(model: str, quick: bool) -> dict[str, Any]:
     """Model sizes for the sweep (the depth and batch are swept separately)."""
     if model == "mlp":
         return {"width": 256, "batch": 512}
+    if model == "conv":
+        return {"image_size": 32, "batch": 16, "channels": 32}
     if model == "revnet":
         return {"image_size": 32, "batch": 8 if quick else 32, "channels": 16}
     if model == "transformer":
@@ -103,6 +114,23 @@ def _mlp_forward(spec: dict[str, Any], reversible: bool) -> Callable[..., Any]:
     return forward
 
 
+def _conv_forward(spec: dict[str, Any], reversible: bool) -> Callable[..., Any]:
+    half = spec["channels"] // 2
+
+    def forward(x, is_training):
+        def residual(h):
+            h = hk.Conv2D(half, 3)(h)
+            h = hk.BatchNorm(True, True, 0.9)(h, is_training)
+            return hk.Conv2D(half, 3)(jax.nn.relu(h))
+
+        def block(h):
+            return blocks.AdditiveCoupling(residual, residual)(h)
+
+        return blocks.ReversibleSequence(block, spec["depth"], reversible=reversible)(x)
+
+    return forward
+
+
 def _revnet_forward(spec: dict[str, Any], reversible: bool) -> Callable[..., Any]:
     if not hasattr(blocks, "RevNet"):
         raise Unavailable("revnet.blocks.RevNet is not available yet")
@@ -144,6 +172,7 @@ def _transformer_forward(spec: dict[str, Any], reversible: bool) -> Callable[...
 
 _FORWARDS = {
     "mlp": _mlp_forward,
+    "conv": _conv_forward,
     "revnet": _revnet_forward,
     "transformer": _transformer_forward,
 }
@@ -156,6 +185,10 @@ def example_batch(spec: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
     if spec["model"] == "mlp":
         shape = (b, spec["width"])
         return jax.random.normal(kx, shape), jax.random.normal(ky, shape)
+    if spec["model"] == "conv":
+        s, c = spec["image_size"], spec["channels"]
+        x = jax.random.normal(kx, (b, s, s, c))
+        return x, jax.random.normal(ky, x.shape)
     if spec["model"] == "revnet":
         s = spec["image_size"]
         x = jax.random.normal(kx, (b, s, s, 3))
@@ -201,12 +234,15 @@ class Built:
       num_params: Number of parameters.
       remat_calls: Couplings wrapped by the checkpoint method at trace time
         (None for other methods; 0 would mean the baseline is not what it says).
+      init: ``(params, state)`` in the standard layout, to pass as ``init`` to
+        the next ``build`` of the same model.
     """
 
     grad_step: Callable[..., Any]
     args: tuple[Any, Any, jax.Array, jax.Array]
     num_params: int
     remat_calls: list[int] | None
+    init: tuple[Any, Any] | None = None
 
 
 def build(
@@ -240,6 +276,9 @@ def build(
         if counter is not None:
             with hk.intercept_methods(_remat_couplings(counter)):
                 return forward(x, is_training)
+        if method in baselines.PLAIN_METHODS:
+            with hk.intercept_methods(baselines.interceptor(method)):
+                return forward(x, is_training)
         return forward(x, is_training)
 
     net = hk.transform_with_state(run)
@@ -257,6 +296,9 @@ def build(
                 init_net.init, key, x, True, static_argnums=(2,)
             )
         params, state = init
+    base = (params, state)
+    if method in baselines.PLAIN_METHODS:
+        params, state = (baselines.convert(t, method) for t in (params, state))
 
     if method == "generic":
 
@@ -276,4 +318,4 @@ def build(
         return loss, grads, new_state
 
     num_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
-    return Built(grad_step, (params, state, x, y), int(num_params), counter)
+    return Built(grad_step, (params, state, x, y), int(num_params), counter, base)

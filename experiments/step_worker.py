@@ -13,6 +13,12 @@ the high-water mark during the training steps alone and its increase over
 steps (``echo 5 > /proc/self/clear_refs``), so compilation's peak does not
 mask the step's; ``step_hwm_reset`` says whether that worked (if not, the
 step figures are upper bounds set by compilation).
+
+With ``"time_steps": n`` in the spec it instead times ``n`` gradient steps
+(``jit(grad)``, parameters unchanged, after two warm-up steps) and prints
+``step_s`` (each step's seconds), ``median_s``, and the compiled step's
+``temp_bytes`` and ``flops``: :mod:`experiments.speed` runs one such process
+per measurement.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def main(argv: list[str]) -> int:
 
     spec = json.loads(argv[0])
     built = models.build(spec)
+    if "time_steps" in spec:
+        print(json.dumps(_time_steps(built, int(spec["time_steps"]))))
+        return 0
     steps = int(spec.get("steps", 3))
 
     def train_step(params, state, x, y):
@@ -95,6 +104,30 @@ def main(argv: list[str]) -> int:
         )
     )
     return 0
+
+
+def _time_steps(built, n: int) -> dict:
+    import time
+
+    import jax
+
+    from experiments import common
+
+    compiled, stats = common.compile_stats(built.grad_step, *built.args)
+    for _ in range(2):
+        jax.block_until_ready(compiled(*built.args))
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*built.args))
+        times.append(time.perf_counter() - start)
+    return {
+        "step_s": times,
+        "median_s": float(sorted(times)[len(times) // 2]),
+        "temp_bytes": stats["temp_bytes"],
+        "flops": stats["flops"],
+        "compile_s": stats["compile_s"],
+    }
 
 
 if __name__ == "__main__":

@@ -59,10 +59,21 @@ def test_memory_tiny(tmp_path):
         "checkpoint",
         "reversible",
         "generic",
+        "plain",
+        "layer_stack",
     }
     for row in rows:
-        for key in ("temp_bytes", "flops", "temp_ratio", "flops_ratio", "median_s"):
+        for key in (
+            "temp_bytes",
+            "flops",
+            "temp_ratio",
+            "flops_ratio",
+            "median_s",
+            "time_vs_best_plain",
+            "temp_vs_best_plain",
+        ):
             assert key in row and row[key] is not None, (key, row)
+        assert row["best_plain"] in ("plain", "layer_stack")
     by = {(r["method"], r["depth"]): r for r in rows}
     depths = sorted(mlp["depths"])
     top = depths[-1]
@@ -91,6 +102,52 @@ def test_memory_tiny(tmp_path):
     )
     text = report_text(tmp_path)
     assert "![memory](memory.png)" in text and "| depth | method |" in text
+
+
+def test_speed_tiny(tmp_path):
+    proc = run_script("speed", "--tiny", "--models", "conv,mlp", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "speed.json") as f:
+        res = json.load(f)
+    assert res["machine"]["backend"] and res["config"]["runtime_checks"] is False
+    assert [(r["model"], r["depth"]) for r in res["rows"]] == [("conv", 2), ("mlp", 2)]
+    for row in res["rows"]:
+        assert set(row["methods"]) == {"plain", "layer_stack", "reversible"}
+        best = row["methods"][row["best_plain"]]
+        assert best["time_vs_best_plain"] == 1.0
+        for stats in row["methods"].values():
+            assert stats["median_s"] > 0 and stats["temp_bytes"] > 0
+            assert stats["time_vs_best_plain"] >= 1.0 or stats is not best
+    text = report_text(tmp_path)
+    assert "## Step time against plain Haiku" in text and "Platform: cpu" in text
+
+
+@pytest.mark.parametrize("model", ["conv", "transformer", "revnet"])
+def test_plain_baselines_train_the_same_parameters(model):
+    """plain, layer_stack and reversible runs of one model give the same loss
+    and gradients, leaf by leaf, once the trees are put in one layout."""
+    import jax
+
+    from experiments import baselines, models
+    from tests.helpers import assert_trees_close
+
+    sizes = {
+        "conv": {"image_size": 8, "batch": 2, "channels": 8},
+        "transformer": {**models.default_sizes("transformer", True), "seq_len": 8},
+        "revnet": {"image_size": 8, "batch": 2, "channels": 8},
+    }[model]
+    out, init = {}, None
+    for method in ("reversible", "plain", "layer_stack"):
+        spec = {"model": model, "method": method, "depth": 2, **sizes}
+        built = models.build(spec, init=init)
+        init = built.init
+        loss, grads, _ = jax.jit(built.grad_step)(*built.args)
+        out[method] = (loss, grads)
+    for method in ("plain", "layer_stack"):
+        loss, grads = out[method]
+        want = baselines.convert(out["reversible"][1], method)
+        np.testing.assert_allclose(loss, out["reversible"][0], rtol=1e-6)
+        assert_trees_close(grads, want, 1e-5, f"{model} {method} gradient")
 
 
 def test_numerics_tiny(tmp_path):
@@ -237,7 +294,7 @@ def test_unwritable_output_folder(name, tmp_path):
 
 
 def test_help_runs():
-    for name in ("memory", "train", "numerics", "demo"):
+    for name in ("memory", "speed", "train", "numerics", "demo"):
         proc = run_script(name, "--help")
         assert proc.returncode == 0 and "--out" in proc.stdout
 

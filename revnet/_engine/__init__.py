@@ -14,6 +14,7 @@ front-end.
 from revnet._engine import (
     checks,
     cotangents,
+    layout,  # noqa: F401  (registers the convolution evaluator)
     registry,
     select,  # noqa: F401  (registers its rules)
 )

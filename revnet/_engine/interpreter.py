@@ -62,6 +62,14 @@ def register_handler(step_type: type, handler: Handler) -> None:
     _HANDLERS[step_type] = handler
 
 
+def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """Evaluates ``eqn`` on ``ins``, through its primitive's evaluator if any."""
+    fn = registry.evaluator(jx.primitive_name(eqn))
+    if fn is None:
+        return jx.bind(eqn, *ins)
+    return fn(jx.bind_params(eqn), list(ins))
+
+
 def vjp_eqn(eqn: Any, ins: Sequence[Any]):
     """Evaluates ``eqn`` with ``jax.vjp`` over its float inputs.
 
@@ -80,13 +88,13 @@ def vjp_eqn(eqn: Any, ins: Sequence[Any]):
         or not any(ct.is_float_aval(jx.aval(v)) for v in eqn.outvars)
         or jx.has_zero_derivative(eqn)
     ):
-        return jx.bind(eqn, *ins), None
+        return apply_eqn(eqn, ins), None
 
     def f(*fl):
         args = list(ins)
         for n, x in zip(float_in, fl):
             args[n] = x
-        return jx.bind(eqn, *args)
+        return apply_eqn(eqn, args)
 
     outs, pullback = jax.vjp(f, *[ins[n] for n in float_in])
 

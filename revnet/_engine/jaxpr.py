@@ -24,7 +24,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -259,6 +259,46 @@ def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
     with eqn.ctx.manager:
         out = prim.bind(*subfuns, *args, **params)
     return list(out) if prim.multiple_results else [out]
+
+
+def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
+    """The keyword arguments ``eqn``'s primitive is bound with."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
+        params = params[1]
+    return dict(params)
+
+
+def eval_with(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    override: Callable[[str, dict[str, Any], list[Any]], list[Any] | None],
+) -> list[Any]:
+    """Traces ``fun(*args)`` and evaluates it, letting ``override`` run equations.
+
+    ``override(primitive_name, params, ins)`` returns an equation's outputs, or
+    None to bind the equation as it is. Only top-level equations are offered
+    to it (a nested call is bound whole).
+    """
+    closed = jax.make_jaxpr(fun)(*args)
+    jaxpr, env = closed.jaxpr, {}
+
+    def read(v):
+        return v.val if is_literal(v) else env[v]
+
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        outs = override(e.primitive.name, bind_params(e), ins)
+        if outs is None:
+            outs = bind(e, *ins)
+        for v, o in zip(e.outvars, outs):
+            if not is_dropvar(v):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
 
 
 def eval_body(body: Body, *args: Any) -> list[Any]:

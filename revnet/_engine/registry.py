@@ -224,3 +224,23 @@ def names() -> list[str]:
 def version() -> int:
     """A counter bumped by every change to the table."""
     return _VERSION[0]
+
+
+# --------------------------------------------------------------------------- #
+# Evaluators: primitives the interpreter evaluates (and differentiates) through
+# a function of revnet's own instead of binding the equation. Values and
+# derivatives must be the primitive's; only how XLA runs them may differ
+# (convolutions in the layout XLA:CPU runs fast, see ``layout.py``).
+
+Evaluator = Callable[[dict[str, Any], list[Any]], list[Any]]
+_EVALUATORS: dict[str, Evaluator] = {}
+
+
+def register_evaluator(name: str, fn: Evaluator) -> None:
+    """Makes the interpreter evaluate primitive ``name`` as ``fn(params, ins)``."""
+    _EVALUATORS[name] = fn
+
+
+def evaluator(name: str) -> Evaluator | None:
+    """The evaluator of primitive ``name``, or None (bind it as it is)."""
+    return _EVALUATORS.get(name)

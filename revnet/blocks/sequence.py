@@ -160,6 +160,9 @@ class ReversibleSequence(hk.Module):
                 Lifted(fn, self, f"block_{i}") for i, fn in enumerate(block_fns)
             )
         self._stacked = callable(block_fn)
+        # The block functions as given (one entry for ``num_layers`` copies),
+        # for running the same blocks another way, such as a plain-Haiku loop.
+        self.block_fns = (block_fn,) if self._stacked else tuple(block_fns)
 
     def _stack(self, x: Any, args: tuple, kwargs: dict) -> Callable[..., Any]:
         """The pure function ``h -> (y, new_states)`` of the whole stack.
