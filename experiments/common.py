@@ -127,6 +127,21 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_choices_flag(
+    parser: argparse.ArgumentParser,
+    name: str,
+    choices: Sequence[str],
+    default: Sequence[str],
+) -> None:
+    """Adds ``--NAME a,b,c``: a comma-separated subset of ``choices``."""
+    parser.add_argument(
+        f"--{name}",
+        type=choice_list(choices),
+        default=list(default),
+        help=f"comma-separated {name} (default: {','.join(default)})",
+    )
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """Returns a parser with the flags every experiment shares.
 

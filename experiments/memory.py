@@ -63,18 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     from experiments.models import METHODS, MODELS
 
     parser = common.make_parser("python -m experiments.memory", DESCRIPTION)
-    parser.add_argument(
-        "--models",
-        type=common.choice_list(MODELS),
-        default=list(MODELS),
-        help=f"comma-separated models (default: {','.join(MODELS)})",
-    )
-    parser.add_argument(
-        "--methods",
-        type=common.choice_list(METHODS),
-        default=list(METHODS),
-        help=f"comma-separated methods (default: {','.join(METHODS)})",
-    )
+    common.add_choices_flag(parser, "models", MODELS, MODELS)
+    common.add_choices_flag(parser, "methods", METHODS, METHODS)
     parser.add_argument(
         "--depths",
         type=common.int_list,

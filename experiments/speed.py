@@ -49,18 +49,8 @@ LIMIT = 1.35  # the step-time budget against the best plain baseline
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = common.make_parser("python -m experiments.speed", DESCRIPTION)
-    parser.add_argument(
-        "--models",
-        type=common.choice_list(MODELS),
-        default=list(MODELS),
-        help=f"comma-separated models (default: {','.join(MODELS)})",
-    )
-    parser.add_argument(
-        "--methods",
-        type=common.choice_list(METHODS),
-        default=list(DEFAULT_METHODS),
-        help=f"comma-separated methods (default: {','.join(DEFAULT_METHODS)})",
-    )
+    common.add_choices_flag(parser, "models", MODELS, MODELS)
+    common.add_choices_flag(parser, "methods", METHODS, DEFAULT_METHODS)
     parser.add_argument(
         "--depths",
         type=common.int_list,
