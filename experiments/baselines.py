@@ -61,6 +61,31 @@ def interceptor(method: str) -> Callable[..., Any]:
     return intercept
 
 
+def compare_to_best_plain(stats: dict[str, dict[str, Any]]) -> str | None:
+    """Adds ratios to the best plain baseline to each method's measurements.
+
+    Args:
+      stats: ``{method: {"median_s", "temp_bytes", ...}}`` at one depth.
+
+    Returns:
+      The best plain method, the faster (median step time) of those in
+      :data:`PLAIN_METHODS` that were timed, or None if none was. Every timed
+      entry gains ``time_vs_best_plain`` and ``temp_vs_best_plain``.
+    """
+    timed = [m for m in PLAIN_METHODS if "median_s" in stats.get(m, {})]
+    if not timed:
+        return None
+    name = min(timed, key=lambda m: stats[m]["median_s"])
+    best = stats[name]
+    for entry in stats.values():
+        if "median_s" in entry:
+            entry["time_vs_best_plain"] = entry["median_s"] / best["median_s"]
+            entry["temp_vs_best_plain"] = entry["temp_bytes"] / max(
+                best["temp_bytes"], 1.0
+            )
+    return name
+
+
 def convert(tree: Any, method: str) -> Any:
     """The reversible model's ``tree`` (params or state) in ``method``'s layout.
 

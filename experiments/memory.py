@@ -200,23 +200,17 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
     The best plain baseline at a depth is the faster (median step time) of
     ``plain`` (an unrolled plain-Haiku loop) and ``layer_stack``.
     """
-    from experiments.baselines import PLAIN_METHODS
+    from experiments.baselines import compare_to_best_plain
 
+    for depth in {r["depth"] for r in rows}:
+        at_depth = {r["method"]: r for r in rows if r["depth"] == depth}
+        best = compare_to_best_plain(at_depth)
+        if best is not None:
+            for row in at_depth.values():
+                if "median_s" in row:
+                    row["best_plain"] = best
     base = {r["depth"]: r for r in rows if r["method"] == "standard"}
-    best: dict[int, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] in PLAIN_METHODS and "median_s" in row:
-            held = best.get(row["depth"])
-            if held is None or row["median_s"] < held["median_s"]:
-                best[row["depth"]] = row
-    for row in rows:
-        plain = best.get(row["depth"])
-        if plain is not None and "median_s" in row:
-            row["best_plain"] = plain["method"]
-            row["time_vs_best_plain"] = row["median_s"] / plain["median_s"]
-            row["temp_vs_best_plain"] = row["temp_bytes"] / max(
-                plain["temp_bytes"], 1.0
-            )
         ref = base.get(row["depth"])
         if ref is None:
             continue
@@ -236,10 +230,10 @@ def _budgets(
     args: argparse.Namespace,
     search: str,
 ) -> dict[str, Any]:
-    budget = args.budget_mib * common.MIB
-    out: dict[str, Any] = {"budget_mib": args.budget_mib, "methods": {}}
     from experiments.baselines import PLAIN_METHODS
 
+    budget = args.budget_mib * common.MIB
+    out: dict[str, Any] = {"budget_mib": args.budget_mib, "methods": {}}
     depth_cap = 4096 if model == "mlp" else 256
     # Compiling ever deeper unrolled plain stacks costs minutes: the plain
     # baselines' memory is read off the sweep instead.
@@ -276,10 +270,11 @@ def _unrolled_flops(sizes: dict[str, Any], methods: list[str]) -> dict[str, Any]
     of XLA counting a scan body once.
     """
     from experiments import models
+    from experiments.baselines import PLAIN_METHODS
 
     out: dict[str, Any] = {"depths": [2, 4], "per_block_flops": {}}
     for method in methods:
-        if method in ("generic", "plain", "layer_stack"):
+        if method == "generic" or method in PLAIN_METHODS:
             continue
         flops = []
         for depth in (2, 4):

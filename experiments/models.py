@@ -242,7 +242,7 @@ class Built:
     args: tuple[Any, Any, jax.Array, jax.Array]
     num_params: int
     remat_calls: list[int] | None
-    init: tuple[Any, Any] | None = None
+    init: tuple[Any, Any]
 
 
 def build(

@@ -34,7 +34,6 @@ from experiments import common
 
 NAME = "speed"
 DESCRIPTION = __doc__.split("\n\n")[0]
-PLAIN = ("plain", "layer_stack")
 METHODS = ("plain", "layer_stack", "standard", "checkpoint", "reversible")
 DEFAULT_METHODS = ("plain", "layer_stack", "reversible")
 MODELS = ("conv", "revnet", "mlp", "transformer")
@@ -155,20 +154,11 @@ def _measure_one(model, depth, args, cache) -> dict[str, Any]:
             "temp_bytes": good[0]["temp_bytes"],
             "flops": good[0]["flops"],
         }
-    plain = {
-        m: row["methods"][m]["median_s"]
-        for m in PLAIN
-        if "median_s" in row["methods"].get(m, {})
-    }
-    if plain:
-        best = min(plain, key=plain.get)
+    from experiments.baselines import compare_to_best_plain
+
+    best = compare_to_best_plain(row["methods"])
+    if best is not None:
         row["best_plain"] = best
-        for stats in row["methods"].values():
-            if "median_s" in stats:
-                stats["time_vs_best_plain"] = stats["median_s"] / plain[best]
-                stats["temp_vs_best_plain"] = stats["temp_bytes"] / max(
-                    row["methods"][best]["temp_bytes"], 1.0
-                )
     return row
 
 

@@ -15,10 +15,10 @@ mask the step's; ``step_hwm_reset`` says whether that worked (if not, the
 step figures are upper bounds set by compilation).
 
 With ``"time_steps": n`` in the spec it instead times ``n`` gradient steps
-(``jit(grad)``, parameters unchanged, after two warm-up steps) and prints
-``step_s`` (each step's seconds), ``median_s``, and the compiled step's
-``temp_bytes`` and ``flops``: :mod:`experiments.speed` runs one such process
-per measurement.
+(``jit(grad)``, parameters unchanged, after two warm-up steps, with
+:func:`experiments.common.median_times`) and prints ``median_s``, ``min_s``,
+``max_s`` and the compiled step's ``temp_bytes`` and ``flops``:
+:mod:`experiments.speed` runs one such process per measurement.
 """
 
 from __future__ import annotations
@@ -107,27 +107,12 @@ def main(argv: list[str]) -> int:
 
 
 def _time_steps(built, n: int) -> dict:
-    import time
-
-    import jax
-
     from experiments import common
 
     compiled, stats = common.compile_stats(built.grad_step, *built.args)
-    for _ in range(2):
-        jax.block_until_ready(compiled(*built.args))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*built.args))
-        times.append(time.perf_counter() - start)
-    return {
-        "step_s": times,
-        "median_s": float(sorted(times)[len(times) // 2]),
-        "temp_bytes": stats["temp_bytes"],
-        "flops": stats["flops"],
-        "compile_s": stats["compile_s"],
-    }
+    times = common.median_times({"step": lambda: compiled(*built.args)}, n)["step"]
+    keep = ("temp_bytes", "flops", "compile_s")
+    return {**times, **{k: stats[k] for k in keep}}
 
 
 if __name__ == "__main__":

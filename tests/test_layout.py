@@ -82,32 +82,38 @@ CASES = {
 }
 
 
-def _conv_eqn_params(lhs, rhs, kw):
-    """The bind params of the ``conv_general_dilated`` equation ``kw`` makes."""
+def _conv_pair(case, dtype, seed):
+    """Operands of ``CASES[case]`` and the two convolutions to compare.
+
+    Returns ``(lhs, rhs, plain, ours)``: ``plain`` is ``lax.conv_general_dilated``
+    and ``ours`` the engine's evaluator given the equation's bind params.
+    """
+    lhs_shape, rhs_shape, kw = CASES[case]
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(k1, lhs_shape, dtype)
+    rhs = jax.random.normal(k2, rhs_shape, dtype)
     kw = {"window_strides": (1,) * (lhs.ndim - 2), "padding": "SAME", **kw}
-    closed = jax.make_jaxpr(lambda a, b: lax.conv_general_dilated(a, b, **kw))(lhs, rhs)
+
+    def plain(a, b):
+        return lax.conv_general_dilated(a, b, **kw)
+
     (eqn,) = [
-        e for e in closed.jaxpr.eqns if e.primitive.name == "conv_general_dilated"
+        e
+        for e in jax.make_jaxpr(plain)(lhs, rhs).jaxpr.eqns
+        if e.primitive.name == "conv_general_dilated"
     ]
-    return dict(eqn.params), kw
+
+    def ours(a, b):
+        return layout.conv(dict(eqn.params), [a, b])[0]
+
+    return lhs, rhs, plain, ours
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_canonical_conv_matches_the_primitive(case, dtype):
-    lhs_shape, rhs_shape, kw = CASES[case]
     with jax.enable_x64(dtype == "float64"):
-        k1, k2 = jax.random.split(jax.random.key(0))
-        lhs = jax.random.normal(k1, lhs_shape, dtype)
-        rhs = jax.random.normal(k2, rhs_shape, dtype)
-        params, kw = _conv_eqn_params(lhs, rhs, kw)
-
-        def plain(a, b):
-            return lax.conv_general_dilated(a, b, **kw)
-
-        def ours(a, b):
-            return layout.conv(params, [a, b])[0]
-
+        lhs, rhs, plain, ours = _conv_pair(case, dtype, seed=0)
         out, vjp = jax.vjp(plain, lhs, rhs)
         rout, rvjp = jax.vjp(ours, lhs, rhs)
         rtol = RTOL[jnp.dtype(dtype)]
@@ -120,24 +126,14 @@ def test_canonical_conv_matches_the_primitive(case, dtype):
 @pytest.mark.parametrize("case", ["nchw", "strided", "grouped"])
 def test_canonical_conv_second_order(case, dtype):
     # The canonical VJP is itself differentiable, with the primitive's result.
-    lhs_shape, rhs_shape, kw = CASES[case]
     with jax.enable_x64(dtype == "float64"):
-        k1, k2 = jax.random.split(jax.random.key(1))
-        lhs = jax.random.normal(k1, lhs_shape, dtype)
-        rhs = jax.random.normal(k2, rhs_shape, dtype)
-        params, kw = _conv_eqn_params(lhs, rhs, kw)
+        lhs, rhs, plain, ours = _conv_pair(case, dtype, seed=1)
 
         def grad_norm(conv):
             def inner(a, b):
                 return jnp.sum(jnp.sin(conv(a, b)))
 
             return lambda a, b: jnp.sum(jax.grad(inner, argnums=(0, 1))(a, b)[1] ** 2)
-
-        def plain(a, b):
-            return lax.conv_general_dilated(a, b, **kw)
-
-        def ours(a, b):
-            return layout.conv(params, [a, b])[0]
 
         got = jax.grad(grad_norm(ours), argnums=(0, 1))(lhs, rhs)
         want = jax.grad(grad_norm(plain), argnums=(0, 1))(lhs, rhs)

@@ -248,14 +248,18 @@ def call_primitive_names() -> tuple[str, ...]:
     return tuple(_CALL_BODY_PARAM)
 
 
+def _bind_args(eqn: JaxprEqn) -> tuple[tuple, dict[str, Any]]:
+    """``(subfuns, params)`` that ``eqn``'s primitive is bound with."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
+        return tuple(params[0]), dict(params[1])
+    return (), dict(params)
+
+
 def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
     """Runs one equation on ``args``; always returns a list of outputs."""
     prim = eqn.primitive
-    params = prim.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
-        subfuns, params = params
-    else:
-        subfuns = ()
+    subfuns, params = _bind_args(eqn)
     with eqn.ctx.manager:
         out = prim.bind(*subfuns, *args, **params)
     return list(out) if prim.multiple_results else [out]
@@ -263,10 +267,7 @@ def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
 
 def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
     """The keyword arguments ``eqn``'s primitive is bound with."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # jax < 0.10: (subfuns, params)
-        params = params[1]
-    return dict(params)
+    return _bind_args(eqn)[1]
 
 
 def eval_with(
