@@ -52,10 +52,11 @@ from revnet._engine import (
     Body,
     ScanParams,
     Stuck,
-    analyze,
     aval,
     leaf_paths,
+    modes,
     not_invertible,
+    revolve,
     scan_function,
     show,
     trace,
@@ -156,6 +157,42 @@ def _check_max_steps(max_steps: Any) -> int | None:
     return bound
 
 
+def _check_checkpoints(fname: str, checkpoints: Any, bound: int | None) -> int:
+    """The number of snapshots: ``checkpoints`` checked, or the default."""
+    if checkpoints is None:
+        return revolve.default_slots(bound)
+    expected = "a positive integer known at trace time, or None"
+    if isinstance(checkpoints, (bool, np.bool_)):
+        raise TypeError(f"{fname}: checkpoints must be {expected}, got {checkpoints!r}")
+    try:
+        n = operator.index(checkpoints)
+    except TypeError:
+        raise TypeError(
+            f"{fname}: checkpoints must be {expected}, got {show(checkpoints)}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"{fname}: checkpoints must be at least 1, got {n}")
+    # More snapshots than steps are never used.
+    return n if bound is None else max(1, min(n, bound + 1))
+
+
+def _check_invert(fname: str, invert: Any) -> bool | None:
+    if invert is None or isinstance(invert, (bool, np.bool_)):
+        return None if invert is None else bool(invert)
+    raise TypeError(
+        f"{fname}: invert must be None (automatic), True or False, got {show(invert)}"
+    )
+
+
+def _mode(jaxpr, nk: int, carry: range, bounded: bool, invert, fail) -> Any:
+    """The backward mode (:mod:`revnet._engine.modes`); ``fail(stuck)`` raises."""
+    known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
+    try:
+        return modes.choose(jaxpr, known_in, carry, bounded, invert)
+    except Stuck as stuck:
+        raise fail(stuck) from None
+
+
 # --------------------------------------------------------------------------- #
 # while_loop.
 
@@ -165,6 +202,8 @@ def while_loop(
     body_fun: Callable[[Any], Any],
     init_val: Any,
     max_steps: int | None = None,
+    checkpoints: int | None = None,
+    invert: bool | None = None,
 ) -> Any:
     """``lax.while_loop`` with a memory-efficient, invertible VJP.
 
@@ -222,6 +261,8 @@ def while_loop(
     _check_callable("while_loop", "cond_fun", cond_fun)
     _check_callable("while_loop", "body_fun", body_fun)
     bound = _check_max_steps(max_steps)
+    slots = _check_checkpoints("while_loop", checkpoints, bound)
+    invert = _check_invert("while_loop", invert)
     bname = getattr(body_fun, "__name__", "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     out_tree_box: list = []
@@ -246,14 +287,18 @@ def while_loop(
         raise TypeError(
             f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
         )
-    try:
-        plan = analyze(
-            body_jaxpr, (True,) * nk + (False,) * len(leaves), (True,) * len(leaves)
-        )
-    except Stuck as stuck:
-        paths = leaf_paths("init_val", init_val)
-        raise not_invertible(stuck, paths, nk, bname) from None
-    run = while_function(body_jaxpr, cond_jaxpr, plan, nk, bound, _BACKWARD_STEP_HOOKS)
+    paths = leaf_paths("init_val", init_val)
+    mode = _mode(
+        body_jaxpr,
+        nk,
+        range(nk, nk + len(leaves)),
+        bound is not None,
+        invert,
+        lambda stuck: not_invertible(stuck, paths, nk, bname),
+    )
+    run = while_function(
+        body_jaxpr, cond_jaxpr, mode, nk, bound, slots, _BACKWARD_STEP_HOOKS
+    )
     final = run(list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
 
@@ -330,6 +375,8 @@ def scan(
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    checkpoints: int | None = None,
+    invert: bool | None = None,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-efficient, invertible VJP.
 
@@ -388,11 +435,13 @@ def scan(
     length = _check_length(length)
     reverse = _check_reverse(reverse)
     unroll = _check_unroll(unroll)
+    invert = _check_invert("scan", invert)
     fname = getattr(f, "__name__", "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
     n = _scan_length(x_leaves, length)
+    slots = _check_checkpoints("scan", checkpoints, n)
     x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
     nc = len(c_leaves)
     trees: list = []
@@ -426,15 +475,15 @@ def scan(
         _avals(jaxpr.invars[nk : nk + nc]),
         _avals(jaxpr.outvars[:nc]),
     )
-    nx = len(x_leaves)
-    try:
-        plan = analyze(
-            jaxpr,
-            (True,) * nk + (False,) * nc + (True,) * nx,
-            (True,) * len(jaxpr.outvars),
-        )
-    except Stuck as stuck:
-        raise not_invertible(stuck, leaf_paths("init", init), nk, fname) from None
-    run = scan_function(ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll), plan)
+    mode = _mode(
+        jaxpr,
+        nk,
+        range(nk, nk + nc),
+        True,
+        invert,
+        lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
+    )
+    sp = ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll)
+    run = scan_function(sp, mode, slots)
     final, ys = run(list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))

@@ -544,20 +544,27 @@ def test_scan_memory_is_flat_in_length():
 # Errors.
 
 
-def test_non_invertible_body_raises_naming_the_equation():
+def test_invert_true_refuses_a_non_invertible_body_naming_the_equation():
     def body(c):
         x, i = c
         return x * x, i + 1  # x used twice: cannot be solved for x
 
     with pytest.raises(NotInvertibleError, match=r"`mul`.*test_loops\.py"):
-        while_loop(lambda c: c[1] < 3, body, (jnp.ones(3), 0))
+        while_loop(lambda c: c[1] < 3, body, (jnp.ones(3), 0), invert=True)
     with pytest.raises(NotInvertibleError, match="init"):
-        scan(lambda c, x: (jnp.abs(c) + x, None), jnp.ones(3), jnp.ones((4, 3)))
+        scan(
+            lambda c, x: (jnp.abs(c) + x, None),
+            jnp.ones(3),
+            jnp.ones((4, 3)),
+            invert=True,
+        )
     # No gradient is ever produced for them: the error comes at trace time.
     with pytest.raises(NotInvertibleError):
-        jax.grad(lambda x: jnp.sum(while_loop(lambda c: c[1] < 3, body, (x, 0))[0]))(
-            jnp.ones(3)
-        )
+        jax.grad(
+            lambda x: jnp.sum(
+                while_loop(lambda c: c[1] < 3, body, (x, 0), invert=True)[0]
+            )
+        )(jnp.ones(3))
 
 
 @pytest.mark.parametrize(

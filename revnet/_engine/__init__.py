@@ -15,7 +15,9 @@ from revnet._engine import (
     checks,
     cotangents,
     layout,  # noqa: F401  (registers the convolution evaluator)
+    modes,
     registry,
+    revolve,
     select,  # noqa: F401  (registers its rules)
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
@@ -49,10 +51,12 @@ __all__ = [
     "cotangents",
     "eval_body",
     "leaf_paths",
+    "modes",
     "not_invertible",
     "show",
     "register_inverse",
     "registry",
+    "revolve",
     "scan_function",
     "stats",
     "tag",

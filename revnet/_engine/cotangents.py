@@ -9,7 +9,7 @@ the interpreter and every front-end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -76,6 +76,37 @@ def add(a: Any, b: Any) -> Any:
 def add_into(acc: Sequence[Any], new: Sequence[Any]) -> list:
     """Adds ``new`` to an accumulator whose None entries stay None (no gradient)."""
     return [None if a is None else add(a, b) for a, b in zip(acc, new)]
+
+
+def vjp(
+    fun: Callable[..., Sequence[Any]],
+    args: Sequence[Any],
+    out_avals: Sequence[Any],
+    out_cts: Sequence[Any],
+) -> list:
+    """Input cotangents of ``fun(*args)`` (a list of arrays) given ``out_cts``.
+
+    Only float inputs and outputs take part: the other inputs get None, and
+    the cotangents of non-float outputs (and None ones) are ignored.
+    """
+    fi = [n for n, a in enumerate(args) if is_float(a)]
+    fo = [n for n, a in enumerate(out_avals) if is_float_aval(a)]
+    res: list = [None] * len(args)
+    if not fi or not fo:
+        return res
+
+    def f(*floats):
+        full = list(args)
+        for n, x in zip(fi, floats):
+            full[n] = x
+        outs = fun(*full)
+        return [outs[n] for n in fo]
+
+    _, pullback = jax.vjp(f, *[args[n] for n in fi])
+    cts = float_or_none([out_cts[n] for n in fo], [out_avals[n] for n in fo])
+    for n, c in zip(fi, pullback(cts)):
+        res[n] = c
+    return res
 
 
 def float0_for_ints(primals: Any, cts: Any) -> Any:

@@ -70,6 +70,25 @@ def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     return fn(jx.bind_params(eqn), list(ins))
 
 
+def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+    """Evaluates an open ``jaxpr`` on ``args``, every equation by :func:`apply_eqn`.
+
+    As ``jax.core.eval_jaxpr``, except that primitives with an evaluator in the
+    registry (convolutions on CPU) run through it, as in the interpreter.
+    """
+    env = dict(zip(jaxpr.invars, args))
+
+    def read(v):
+        return jx.literal_value(v) if jx.is_literal(v) else env[v]
+
+    for e in jaxpr.eqns:
+        outs = apply_eqn(e, [read(v) for v in e.invars])
+        for v, o in zip(e.outvars, outs):
+            if not jx.is_dropvar(v):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
 def vjp_eqn(eqn: Any, ins: Sequence[Any]):
     """Evaluates ``eqn`` with ``jax.vjp`` over its float inputs.
 

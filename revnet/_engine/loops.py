@@ -1,14 +1,24 @@
 """The custom VJPs of revnet's loops: forward loop, backward reversed loop.
 
 :func:`scan_function` and :func:`while_function` build the ``jax.custom_vjp``
-functions behind ``revnet.scan`` and ``revnet.while_loop``: the forward pass
-runs the loop and saves only the final carry (and ``xs``, ``ys``, the trip
-count, the constants); the backward pass walks back step by step, rebuilding
-each carry from the next by the body's plan, fused with the body's VJP. Their
-backward functions are tagged, so that the analysis recognises a loop inside
-an ``@invertible`` function. Both are cached by everything they close over
-(the body's jaxpr by identity), so an eager loop called again with the same
-body reuses its function and JAX's compiled forward loop.
+functions behind ``revnet.scan`` and ``revnet.while_loop``, in the three modes
+of :mod:`.modes`:
+
+* **invert**: the forward pass saves only the final carry (and ``xs``, ``ys``,
+  the trip count, the constants); the backward pass walks back step by step,
+  rebuilding each carry from the next by the body's plan, fused with the
+  body's VJP.
+* **store**: as *invert*, and the forward pass also stores, at every step, the
+  carry leaves the plan cannot rebuild; the backward pass reads them.
+* **checkpoint**: the forward pass saves the initial carry and the trip count;
+  the backward pass recomputes carries from snapshots by the binomial
+  schedule of :mod:`.revolve` and takes the body's VJP at each step.
+
+The backward pass runs only the steps the forward pass took. The backward
+functions are tagged, so that the analysis recognises a loop inside an
+``@invertible`` function. The jitted forward loops are cached by what they
+compute (the body's jaxpr by structure), so an eager loop called again with
+the same body reuses JAX's compiled forward loop.
 """
 
 from __future__ import annotations
@@ -20,13 +30,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine import checks, cotangents, fingerprint
+from revnet._engine import checks, cotangents, fingerprint, revolve
 from revnet._engine.analysis import LRU
 from revnet._engine.calls import LoopTag
-from revnet._engine.interpreter import run_plan
+from revnet._engine.interpreter import evaluate, run_plan
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
-from revnet._engine.plan import Plan
-from revnet._engine.scan import reversed_scan
+from revnet._engine.modes import CHECKPOINT, Mode
+from revnet._engine.scan import merge, reversed_scan
 
 # The jitted forward loops of recent calls, keyed by what they compute (the
 # body's structure and its nested constants by identity; derivative rules do
@@ -40,12 +50,13 @@ def _avals(vars_: Any) -> list[Any]:
     return [aval(v) for v in vars_]
 
 
-def scan_function(sp: ScanParams, plan: Plan):
+def scan_function(sp: ScanParams, mode: Mode, slots: int):
     """``run(consts, init, xs) -> (final, ys)``, a custom VJP for the scan ``sp``.
 
     Args:
       sp: the scan; its body's inputs are the constants, carry and ``xs``.
-      plan: the body's plan, rebuilding the carry from the outputs.
+      mode: how the backward pass gets each carry (:mod:`.modes`).
+      slots: the number of snapshots when checkpointing.
     """
     key = (
         "scan",
@@ -55,29 +66,34 @@ def scan_function(sp: ScanParams, plan: Plan):
         sp.length,
         sp.reverse,
         repr(sp.unroll),
+        mode.stored,
     )
     forward = _FORWARDS.get(key)
     if forward is None:
-        forward = _scan_forward(sp)
+        forward = _scan_forward(sp, mode.stored)
         _FORWARDS.put(key, forward)
-    return _make_scan(sp, plan, forward)
+    if mode.kind == CHECKPOINT:
+        return _checkpointed_scan(sp, forward, slots)
+    return _make_scan(sp, mode, forward)
 
 
 def while_function(
     body_jaxpr,
     cond_jaxpr,
-    plan: Plan,
+    mode: Mode,
     nk: int,
     bound: int | None,
+    slots: int,
     step_hooks: Sequence[Any] = (),
 ):
     """``run(body_consts, cond_consts, carry) -> carry``, a custom VJP while loop.
 
     Args:
       body_jaxpr, cond_jaxpr: the body and condition, constants first.
-      plan: the body's plan, rebuilding the carry from the new carry.
+      mode: how the backward pass gets each carry (:mod:`.modes`).
       nk: the number of the body's constants.
       bound: the largest number of steps, or None.
+      slots: the number of snapshots when checkpointing.
       step_hooks: callbacks given the remaining-step counter of every backward
         iteration at run time (a testing aid; read when the backward is traced).
     """
@@ -86,40 +102,56 @@ def while_function(
         fingerprint.primal(body_jaxpr),
         fingerprint.primal(cond_jaxpr),
         bound,
+        mode.stored,
     )
     forward = _FORWARDS.get(key)
     if forward is None:
-        forward = _while_forward(Body(body_jaxpr, ()), Body(cond_jaxpr, ()), bound)
+        forward = _while_forward(
+            Body(body_jaxpr, ()), Body(cond_jaxpr, ()), bound, mode.stored
+        )
         _FORWARDS.put(key, forward)
-    return _make_while(body_jaxpr, cond_jaxpr, plan, nk, forward, step_hooks)
+    if mode.kind == CHECKPOINT:
+        return _checkpointed_while(body_jaxpr, cond_jaxpr, nk, forward, slots)
+    return _make_while(body_jaxpr, cond_jaxpr, mode, nk, forward, step_hooks)
 
 
-def _while_forward(body: Body, cond: Body, bound: int | None):
-    """``forward(bk, ck, carry) -> (steps, final)``, jitted."""
+def _kept(carry: Sequence[Any], stored: Sequence[bool]) -> list:
+    return [x for x, s in zip(carry, stored) if s]
+
+
+def _while_forward(body: Body, cond: Body, bound: int | None, stored):
+    """``forward(bk, ck, carry) -> (steps, final, stored leaves)``, jitted."""
 
     def forward(bk, ck, carry):
         def go(state):
-            n, c = state
+            n, c, _ = state
             p = eval_body(cond, *ck, *c)[0]
             return p if bound is None else jnp.logical_and(p, n < bound)
 
         def step(state):
-            n, c = state
-            return n + 1, eval_body(body, *bk, *c)
+            n, c, bufs = state
+            bufs = [
+                lax.dynamic_update_index_in_dim(b, x, n, 0)
+                for b, x in zip(bufs, _kept(c, stored))
+            ]
+            return n + 1, eval_body(body, *bk, *c), bufs
 
-        return lax.while_loop(go, step, (jnp.zeros((), jnp.int32), list(carry)))
+        bufs = [
+            jnp.zeros((bound, *jnp.shape(x)), x.dtype) for x in _kept(carry, stored)
+        ]
+        return lax.while_loop(go, step, (jnp.zeros((), jnp.int32), list(carry), bufs))
 
     return jax.jit(forward)
 
 
-def _scan_forward(sp: ScanParams):
-    """``forward(consts, init, xs) -> (final, ys)``, jitted."""
+def _scan_forward(sp: ScanParams, stored):
+    """``forward(consts, init, xs) -> (final, (ys, stored leaves))``, jitted."""
     nc = sp.num_carry
 
     def forward(consts, init, xs):
         def body(c, x):
             out = eval_body(sp.body, *consts, *c, *x)
-            return out[:nc], out[nc:]
+            return out[:nc], (out[nc:], _kept(c, stored))
 
         return lax.scan(
             body,
@@ -133,22 +165,23 @@ def _scan_forward(sp: ScanParams):
     return jax.jit(forward)
 
 
-def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, forward, step_hooks):
+def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks):
     """The custom-VJP function ``run(body_consts, cond_consts, carry) -> carry``."""
     k_avals = _avals(body_jaxpr.invars[:nk])
     c_avals = _avals(body_jaxpr.invars[nk:])
     q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
+    plan, stored = mode.plan, mode.stored
 
     @jax.custom_vjp
     def run(bk, ck, carry):
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
-        n, final = forward(bk, ck, carry)
-        return final, (bk, final, n)
+        n, final, bufs = forward(bk, ck, carry)
+        return final, (bk, final, n, bufs)
 
     def bwd(res, cts):
-        bk, final, n = res
+        bk, final, n, bufs = res
         hooks = tuple(step_hooks)
 
         def go(state):
@@ -160,12 +193,15 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, forward, step_hooks):
             m, c, ctc, ctk, bad = state
             for hook in hooks:
                 jax.debug.callback(hook, m)
+            kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
             with checks.scope() as sc:
-                prev, in_cts = run_plan(plan, body_jaxpr, list(bk), list(c), list(ctc))
+                prev, in_cts = run_plan(
+                    plan, body_jaxpr, list(bk) + kept, list(c), list(ctc)
+                )
             bad = checks.merge(bad, sc, messages)
             in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals)
             ctk = cotangents.add_into(ctk, in_cts[:nk])
-            return m - 1, prev, in_cts[nk:], ctk, bad
+            return m - 1, merge(prev, kept, stored), in_cts[nk:], ctk, bad
 
         state = (
             n,
@@ -189,37 +225,157 @@ def _make_while(body_jaxpr, cond_jaxpr, plan, nk: int, forward, step_hooks):
     return run
 
 
-def _make_scan(sp: ScanParams, plan: Any, forward):
-    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
+def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
+    """As :func:`_make_while`, with a backward pass that recomputes carries."""
+    k_avals = _avals(body_jaxpr.invars[:nk])
+    c_avals = _avals(body_jaxpr.invars[nk:])
+    q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
+
+    @jax.custom_vjp
+    def run(bk, ck, carry):
+        return forward(bk, ck, carry)[1]
+
+    def fwd(bk, ck, carry):
+        n, final, _ = forward(bk, ck, carry)
+        return final, (bk, list(carry), n)
+
+    def bwd(res, cts):
+        bk, init, n = res
+
+        def step(*args):
+            return evaluate(body_jaxpr, args)
+
+        def advance(t, c):
+            return step(*bk, *c)
+
+        def vjp_step(t, c, state):
+            ctc, ctk = state
+            in_cts = cotangents.vjp(step, [*bk, *c], c_avals, ctc)
+            in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals)
+            return in_cts[nk:], cotangents.add_into(ctk, in_cts[:nk])
+
+        state = (
+            cotangents.float_or_none(list(cts), c_avals),
+            cotangents.float_or_none([None] * nk, k_avals),
+        )
+        ct_init, ct_k = revolve.reverse(advance, vjp_step, init, n, slots, state)
+        return (
+            cotangents.fill(ct_k, k_avals),
+            [cotangents.zeros(a) for a in q_avals],
+            cotangents.fill(ct_init, c_avals),
+        )
+
+    tag(bwd, LoopTag("while_loop"))
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _scan_avals(sp: ScanParams):
     nk, nc = sp.num_consts, sp.num_carry
     invars = sp.body.jaxpr.invars
     k_avals = _avals(invars[:nk])
     c_avals = _avals(invars[nk : nk + nc])
     x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc :])]
+    return k_avals, c_avals, x_avals
+
+
+def _make_scan(sp: ScanParams, mode: Mode, forward):
+    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
+    nk, nc = sp.num_consts, sp.num_carry
+    k_avals, c_avals, x_avals = _scan_avals(sp)
     known_xs = (True,) * len(x_avals)
     known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
+    stored = mode.stored
 
     @jax.custom_vjp
     def run(consts, init, xs):
-        return forward(consts, init, xs)
+        final, (ys, _) = forward(consts, init, xs)
+        return final, ys
 
     def fwd(consts, init, xs):
-        final, ys = forward(consts, init, xs)
-        return (final, ys), (consts, xs, final, ys)
+        final, (ys, bufs) = forward(consts, init, xs)
+        return (final, ys), (consts, xs, final, ys, bufs)
 
     def bwd(res, cts):
-        consts, xs, final, ys = res
+        consts, xs, final, ys, bufs = res
         ct_final, ct_ys = cts
         known = list(consts) + [None] * nc + list(xs)
         outs = list(final) + list(ys)
         with checks.scope() as top:
             _, in_cts = reversed_scan(
-                sp, plan, known_xs, known_ys, known, outs, list(ct_final) + list(ct_ys)
+                sp,
+                mode.plan,
+                known_xs,
+                known_ys,
+                known,
+                outs,
+                list(ct_final) + list(ct_ys),
+                merge([None] * (nc - len(bufs)), bufs, stored),
             )
         checks.raise_if_failed(top)
         in_cts = cotangents.fill(in_cts, k_avals + c_avals + x_avals)
         return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
     tag(bwd, LoopTag("scan"))  # recognised by the analysis
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _checkpointed_scan(sp: ScanParams, forward, slots: int):
+    """As :func:`_make_scan`, with a backward pass that recomputes carries."""
+    nk, nc, n = sp.num_consts, sp.num_carry, sp.length
+    k_avals, c_avals, x_avals = _scan_avals(sp)
+    out_avals = _avals(sp.body.jaxpr.outvars)
+
+    @jax.custom_vjp
+    def run(consts, init, xs):
+        final, (ys, _) = forward(consts, init, xs)
+        return final, ys
+
+    def fwd(consts, init, xs):
+        final, (ys, _) = forward(consts, init, xs)
+        return (final, ys), (consts, list(init), xs)
+
+    def bwd(res, cts):
+        consts, init, xs = res
+        ct_final, ct_ys = cts
+        ct_ys = cotangents.drop_float0(ct_ys)
+
+        def at(t):
+            return n - 1 - t if sp.reverse else t
+
+        def row(stack, t):
+            return [lax.dynamic_index_in_dim(a, at(t), keepdims=False) for a in stack]
+
+        def step(*args):
+            return evaluate(sp.body.jaxpr, args)
+
+        def advance(t, c):
+            return step(*consts, *c, *row(xs, t))[:nc]
+
+        def vjp_step(t, c, state):
+            ctc, ctk, ctx = state
+            cty = [None if a is None else row([a], t)[0] for a in ct_ys]
+            in_cts = cotangents.vjp(
+                step, [*consts, *c, *row(xs, t)], out_avals, [*ctc, *cty]
+            )
+            in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals + x_avals_t)
+            ctx = [
+                a if a is None else lax.dynamic_update_index_in_dim(a, g, at(t), 0)
+                for a, g in zip(ctx, in_cts[nk + nc :])
+            ]
+            return in_cts[nk : nk + nc], cotangents.add_into(ctk, in_cts[:nk]), ctx
+
+        x_avals_t = _avals(sp.body.jaxpr.invars[nk + nc :])
+        state = (
+            cotangents.float_or_none(list(ct_final), c_avals),
+            cotangents.float_or_none([None] * nk, k_avals),
+            cotangents.float_or_none([None] * len(x_avals), x_avals),
+        )
+        ct_init, ct_k, ct_xs = revolve.reverse(advance, vjp_step, init, n, slots, state)
+        in_cts = cotangents.fill([*ct_k, *ct_init, *ct_xs], k_avals + c_avals + x_avals)
+        return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
+
+    tag(bwd, LoopTag("scan"))
     run.defvjp(fwd, bwd)
     return run

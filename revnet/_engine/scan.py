@@ -207,6 +207,7 @@ def reversed_scan(
     known: Sequence[Any],
     outs: Sequence[Any],
     out_cts: Sequence[Any] | None,
+    stored: Sequence[Any] | None = None,
 ):
     """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
 
@@ -218,6 +219,8 @@ def reversed_scan(
       known: the scan's inputs (constants, carry, xs), None where unknown.
       outs: its outputs (final carry, ys), None where unknown.
       out_cts: cotangents of the outputs, or None for values only.
+      stored: for each carry leaf, None when the plan rebuilds it, or its
+        value before every step, stacked (the plan reads it as known).
 
     Returns:
       ``(rebuilt values, input cotangents or None)``: the initial carry and
@@ -239,25 +242,30 @@ def reversed_scan(
     checking = checks.enabled()
     messages: list[str] = []
     scan_kw = dict(length=sp.length, reverse=not sp.reverse, unroll=sp.unroll)
+    stored = list(stored) if stored is not None else [None] * ncar
+    mask = [v is not None for v in stored]
+    stored = [v for v in stored if v is not None]
+    nr = ncar - len(stored)  # carry leaves the plan rebuilds
 
     if out_cts is None:
 
         def body(state, per):
             carry, bad = state
-            x_t, y_t = per
+            x_t, y_t, s_t = per
             with checks.scope() as sc:
                 vals, _ = run_plan(
                     plan,
                     body_jaxpr,
-                    body_consts + consts + list(x_t),
+                    body_consts + consts + list(s_t) + list(x_t),
                     list(carry) + list(y_t),
                 )
-            return (vals[:ncar], checks.merge(bad, sc, messages)), vals[ncar:]
+            carry = merge(vals[:nr], s_t, mask)
+            return (carry, checks.merge(bad, sc, messages)), vals[nr:]
 
         (init, bad), xs_new = lax.scan(
             body,
             (final, jnp.int32(-1) if checking else None),
-            (xs_known, ys_known),
+            (xs_known, ys_known, stored),
             **scan_kw,
         )
         checks.record_index(bad, messages)
@@ -270,7 +278,7 @@ def reversed_scan(
 
     def body(state, per):
         carry, ctc, ctk, bad = state
-        x_t, y_t, cty_present = per
+        x_t, y_t, s_t, cty_present = per
         present = iter(cty_present)
         cty_t = [next(present) if h else None for h in has_ct_y]
         cts_t = [
@@ -281,7 +289,7 @@ def reversed_scan(
             vals, in_cts = run_plan(
                 plan,
                 body_jaxpr,
-                body_consts + consts + list(x_t),
+                body_consts + consts + list(s_t) + list(x_t),
                 list(carry) + list(y_t),
                 cts_t,
             )
@@ -293,7 +301,8 @@ def reversed_scan(
         ]
         new_ctc = ct.float_or_none(in_cts[nc : nc + ncar], carry_avals)
         x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
-        return (vals[:ncar], new_ctc, new_ctk, bad), (vals[ncar:], x_cts)
+        carry = merge(vals[:nr], s_t, mask)
+        return (carry, new_ctc, new_ctk, bad), (vals[nr:], x_cts)
 
     ct_consts0 = [
         jnp.zeros(a.shape, a.dtype) if f else None
@@ -308,11 +317,17 @@ def reversed_scan(
     (init, ct_init, ct_k, bad), (xs_new, ct_xs) = lax.scan(
         body,
         state,
-        (xs_known, ys_known, [c for c, h in zip(ct_ys, has_ct_y) if h]),
+        (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),
         **scan_kw,
     )
     checks.record_index(bad, messages)
     return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
+
+
+def merge(rebuilt: Sequence[Any], kept: Sequence[Any], mask: Sequence[bool]) -> list:
+    """A carry from its rebuilt leaves and its kept ones (``mask``: which are kept)."""
+    rebuilt, kept = iter(rebuilt), iter(kept)
+    return [next(kept) if m else next(rebuilt) for m in mask]
 
 
 registry.register_structural(["scan"], ScanRule())
