@@ -1,32 +1,46 @@
-"""Reversible loops: ``while_loop`` and ``scan`` whose backward runs the body backwards.
+"""Loops for any body: ``while_loop`` and ``scan`` with a memory-lean backward pass.
 
 ``jax.lax.while_loop`` cannot be reverse-differentiated at all, and
 ``jax.lax.scan`` stores every carry (and the body's activations) for the
-backward pass, so its memory grows with the number of steps. When the loop
-body is invertible in its carry neither is necessary: the forward pass keeps
-only the final carry, the trip count and the closed-over constants, and the
-backward pass walks back step by step, rebuilding each carry from the next by
-running the body's inverse, fused with the body's VJP (the evaluation of
-``F(x2)`` that rebuilds ``x1 = y1 - F(x2)`` is the one whose VJP is taken).
+backward pass, so its memory grows with the number of steps. revnet's loops
+differentiate any body in reverse mode, and use invertibility where it exists.
+The body is traced once to a jaxpr and read by the same invertibility analysis
+as :func:`revnet.invertible`; what it finds decides the backward mode:
 
-* :func:`while_loop` has ``jax.lax.while_loop``'s contract plus an optional
-  bound ``max_steps``. The trip count is recorded by the forward pass, never
-  recomputed from the rebuilt carry, and the backward pass is a
-  ``lax.while_loop`` that runs exactly that many inverse steps: its cost follows
-  the steps actually taken, not ``max_steps``.
-* :func:`scan` has ``jax.lax.scan``'s contract; ``xs`` and ``ys`` are handled
-  as extensive inputs and outputs (``ys`` are kept, not recomputed).
+* **Invertible carry** (every leaf can be rebuilt from the step's outputs):
+  the forward pass keeps only the final carry, the trip count and the
+  closed-over constants, and the backward pass walks back step by step,
+  rebuilding each carry from the next by the body's inverse, fused with the
+  body's VJP. Memory does not depend on the number of steps.
+* **Partly invertible carry**, in a loop with a bound (``scan``, or
+  ``while_loop`` with ``max_steps``): the leaves that cannot be rebuilt are
+  stored at every step, and only those; the others are rebuilt by inversion.
+  Example: a leapfrog step whose carry also holds a running maximum stores
+  the maximum (one scalar a step), not the positions and momenta.
+* **Not invertible** (or partly invertible without a bound, or forced with
+  ``invert=False``): binomial checkpointing (Griewank's ``revolve``). The
+  forward pass keeps the initial carry; the backward pass recomputes carries
+  from at most ``checkpoints`` snapshots, placed where they minimise the body
+  evaluations. It reads the number of steps at run time, so it works when that
+  number is unknown (``while_loop``). Memory: ``checkpoints`` carries.
 
-Both are ``jax.custom_vjp`` functions: activation memory of the backward pass
-does not depend on the number of steps, they compose with ``jit``, ``vmap`` and
-``grad``, and forward-mode differentiation (``jvp``, ``jacfwd``, ``hessian``)
-is not available. The body is traced once to a jaxpr and checked by the same
-invertibility analysis as :func:`revnet.invertible`; a body that cannot be
-inverted raises :class:`revnet.NotInvertibleError` when the loop is traced.
+The rule in full (:mod:`revnet._engine.modes`): ``invert=False`` always
+checkpoints; otherwise a carry that is invertible as a whole is inverted
+(``invert=True`` requires it, raising :class:`revnet.NotInvertibleError`
+that names the leaf and equation when it is not); a bounded loop in which
+inversion rebuilds at least one floating-point leaf stores the others
+(integer leaves alone, such as step counters, do not count); anything else
+checkpoints. ``invert=False`` is for a body whose inverse is ill-conditioned.
+
+In every mode the trip count is recorded by the forward pass, never recomputed
+from a rebuilt carry, and the backward pass runs exactly that many steps: its
+cost follows the steps taken, not ``max_steps``. Both loops are
+``jax.custom_vjp`` functions: they compose with ``jit``, ``vmap`` and
+``grad``; forward mode (``jax.jvp``, ``jax.jacfwd``) applied to them raises a
+one-line ``TypeError``, while ``jax.hessian`` (forward-over-reverse) works.
 Values the body closes over (weights, step sizes, keys) become explicit inputs
 of the custom VJP, so they receive gradients also when they are tracers of an
-outer transformation. Integer parts of the carry (step counters) are allowed
-when the body updates them invertibly (``i + 1``); they get no gradient.
+outer transformation. Integer parts of the carry get no gradient.
 
 Under ``vmap`` a batch whose elements stop at different steps works as with
 ``lax.while_loop``: the loop runs until every element has stopped and finished
@@ -184,6 +198,20 @@ def _check_invert(fname: str, invert: Any) -> bool | None:
     )
 
 
+def _call(fname: str, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)``, naming revnet's loop when forward mode reaches it."""
+    try:
+        return run(*args)
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(
+            f"revnet.{fname} is differentiable in reverse mode only (jax.grad, "
+            "jax.vjp, jax.jacrev, and jax.hessian, which is forward-over-reverse); "
+            "forward mode (jax.jvp, jax.jacfwd) was applied to it"
+        ) from None
+
+
 def _mode(jaxpr, nk: int, carry: range, bounded: bool, invert, fail) -> Any:
     """The backward mode (:mod:`revnet._engine.modes`); ``fail(stuck)`` raises."""
     known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
@@ -205,16 +233,15 @@ def while_loop(
     checkpoints: int | None = None,
     invert: bool | None = None,
 ) -> Any:
-    """``lax.while_loop`` with a memory-efficient, invertible VJP.
+    """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
     Runs ``val = body_fun(val)`` while ``cond_fun(val)`` is true (and, when
     ``max_steps`` is given, at most ``max_steps`` times) and returns the final
-    ``val``. Unlike ``lax.while_loop`` it can be reverse-differentiated: the
-    forward pass saves only the final carry, the number of steps taken and the
-    values ``body_fun`` closes over, and the backward pass runs exactly that many
-    steps of ``body_fun``'s inverse, fused with its VJP. Backward memory does not
-    depend on the number of steps, and backward cost follows the steps actually
-    taken, not ``max_steps``.
+    ``val``. Unlike ``lax.while_loop`` it can be reverse-differentiated. The
+    backward pass gets each step's carry by inverting ``body_fun`` where the
+    analysis can, storing the leaves it cannot when ``max_steps`` bounds the
+    loop, and by binomial checkpointing otherwise (see :mod:`revnet.loops` for
+    the rule). Its cost follows the steps actually taken, not ``max_steps``.
 
     ``cond_fun`` may depend on the carry (data-dependent stopping); it gets no
     gradient (the loop's output is piecewise in it), and is not re-evaluated in
@@ -227,36 +254,48 @@ def while_loop(
 
     Example::
 
-        def body(c):
-            x1, x2, t = c
-            x1 = x1 + dt * jnp.tanh(x2 @ w1)
-            x2 = x2 + dt * jnp.tanh(x1 @ w2)
-            return x1, x2, t + dt
+        def body(c):  # leapfrog: invertible in (q, p); the maximum is not
+            q, p, top, t = c
+            p = p - 0.5 * dt * grad_v(q)
+            q = q + dt * p
+            p = p - 0.5 * dt * grad_v(q)
+            return q, p, jnp.maximum(top, jnp.max(jnp.abs(q))), t + dt
 
-        x1, x2, t = revnet.while_loop(lambda c: c[2] < t_end, body,
-                                      (x1, x2, 0.0), max_steps=1000)
+        # q and p are rebuilt by inversion; `top` is stored, a scalar a step.
+        q, p, top, t = revnet.while_loop(lambda c: c[3] < t_end, body,
+                                         (q0, p0, 0.0, 0.0), max_steps=1000)
 
     Args:
       cond_fun: ``cond_fun(val) -> bool scalar``.
-      body_fun: ``body_fun(val) -> val``, invertible in ``val`` equation by
-        equation (as for :func:`revnet.invertible`; the values it closes over are
-        constants of the inversion). Integer leaves of ``val`` must be updated
-        invertibly (``i + 1``) and get no gradient.
+      body_fun: ``body_fun(val) -> val``, any function that keeps the carry's
+        structure, shapes and dtypes.
       init_val: the initial carry, a pytree of arrays or Python scalars (these
         take the dtype ``body_fun`` returns for them, as in ``lax.while_loop``).
       max_steps: optional bound on the number of steps, a non-negative integer
         known at trace time.
+      checkpoints: when checkpointing, how many carries the backward pass may
+        hold at once, the initial one included (at least 1; at most
+        ``max_steps + 1`` are used). Default: ``ceil(log2(max_steps))``, for
+        which no step is evaluated more than ``ceil(log2 n) + 1`` times in the
+        backward pass of an ``n``-step loop; 16 without ``max_steps``. Memory
+        is ``checkpoints`` carries; fewer snapshots cost more recomputation.
+      invert: None (the default) picks the mode by the rule above; True
+        requires the whole carry to be rebuilt by inversion; False
+        checkpoints even an invertible body (for ill-conditioned inverses).
 
     Returns:
       The final carry, with the structure of ``init_val``.
 
     Raises:
-      NotInvertibleError: when ``body_fun`` cannot be inverted in the carry; the
-        message names the equation, the carry leaf and the source line.
+      NotInvertibleError: with ``invert=True``, when ``body_fun`` cannot be
+        inverted in the carry; the message names the equation, the carry leaf
+        and the source line.
       TypeError: when ``cond_fun`` or ``body_fun`` is not callable,
-        ``max_steps`` is not an integer (a bool is not one), ``cond_fun`` does
-        not return a boolean scalar, or ``body_fun`` changes the carry's type.
-      ValueError: when ``max_steps`` is negative.
+        ``max_steps`` or ``checkpoints`` is not an integer (a bool is not
+        one), ``invert`` is not None or a bool, ``cond_fun`` does not return a
+        boolean scalar, ``body_fun`` changes the carry's type, or forward-mode
+        differentiation reaches the loop.
+      ValueError: when ``max_steps`` is negative or ``checkpoints`` is below 1.
     """
     _check_callable("while_loop", "cond_fun", cond_fun)
     _check_callable("while_loop", "body_fun", body_fun)
@@ -299,7 +338,7 @@ def while_loop(
     run = while_function(
         body_jaxpr, cond_jaxpr, mode, nk, bound, slots, _BACKWARD_STEP_HOOKS
     )
-    final = run(list(body_consts), list(cond_consts), leaves)
+    final = _call("while_loop", run, list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
 
 
@@ -378,19 +417,19 @@ def scan(
     checkpoints: int | None = None,
     invert: bool | None = None,
 ) -> tuple[Any, Any]:
-    """``lax.scan`` with a memory-efficient, invertible VJP.
+    """``lax.scan`` with a memory-lean VJP, for any body.
 
     Computes the same values as ``jax.lax.scan(f, init, xs, length, reverse,
     unroll)`` and accepts the same arguments: any pytree as the carry (tuples,
     lists, dicts, None leaves), Python scalars in ``init`` (promoted to the
     dtype ``f`` returns for them, as ``lax.scan`` does), and ``f`` returning
     any pytree node with two children as ``(carry, y)`` (a tuple or a list).
-    Under reverse-mode differentiation the forward pass saves only the final
-    carry, the stacked outputs ``ys`` (which are outputs anyway), ``xs`` and the
-    values ``f`` closes over; the backward pass is one reverse ``lax.scan`` that
-    rebuilds each carry from the next by inverting ``f``, fused with ``f``'s
-    VJP. Backward activation memory does not depend on the number of steps
-    (beyond the cotangents of ``xs``, which are results).
+    Under reverse-mode differentiation the forward pass saves the stacked
+    outputs ``ys`` (which are outputs anyway), ``xs``, the values ``f`` closes
+    over, and, by the mode :mod:`revnet.loops` describes: the final carry
+    (invertible ``f``), the carry leaves inversion cannot rebuild, one per
+    step (partly invertible ``f``), or the initial carry (checkpointing). The
+    backward pass is one loop over the steps, fused with ``f``'s VJP.
 
     Example::
 
@@ -403,11 +442,9 @@ def scan(
         (x1, x2), means = revnet.scan(step, (x1, x2), weights)
 
     Args:
-      f: ``f(carry, x) -> (carry, y)``, invertible in ``carry`` given ``x``
-        (equation by equation, as for :func:`revnet.invertible`). The carry it
-        returns must have the structure, shapes and dtypes of the one it takes.
-        Integer leaves of the carry must be updated invertibly and get no
-        gradient.
+      f: ``f(carry, x) -> (carry, y)``; the carry it returns must have the
+        structure, shapes and dtypes of the one it takes. Integer leaves of
+        the carry get no gradient.
       init: the initial carry, a pytree of arrays or Python scalars.
       xs: a pytree of arrays with a common leading axis to scan over, or None.
       length: the number of steps, a non-negative integer known at trace time;
@@ -416,20 +453,32 @@ def scan(
       unroll: as in ``lax.scan``: how many steps run within one iteration of the
         compiled loop; True unrolls the whole loop, False (or 1) none of it, and
         0 also the whole loop. It applies to the forward scan and to the
-        backward reverse scan alike, and changes speed and compile time, never
-        the values.
+        backward reverse scan alike (not to checkpointing's recomputation), and
+        changes speed and compile time, never the values.
+      checkpoints: when checkpointing, how many carries the backward pass may
+        hold at once, the initial one included (at least 1; at most ``length
+        + 1`` are used). Default: ``ceil(log2(length))``, for which no step is
+        evaluated more than ``ceil(log2 length) + 1`` times in the backward
+        pass.
+      invert: None (the default) picks the mode by the rule of
+        :mod:`revnet.loops`; True requires the whole carry to be rebuilt by
+        inversion; False checkpoints even an invertible ``f``.
 
     Returns:
       ``(final_carry, ys)`` with ``ys`` stacked along a leading axis, in the
       container ``f`` returns (a tuple, or a list when ``f`` returns a list).
 
     Raises:
-      NotInvertibleError: when ``f`` cannot be inverted in the carry.
+      NotInvertibleError: with ``invert=True``, when ``f`` cannot be inverted
+        in the carry.
       TypeError: when ``f`` is not callable, does not return a pair, or changes
-        the carry's type, or when ``length``, ``reverse`` or ``unroll`` has the
-        wrong type (a bool is not a length; a traced value is not allowed).
+        the carry's type; when ``length``, ``reverse``, ``unroll``,
+        ``checkpoints`` or ``invert`` has the wrong type (a bool is not a
+        length; a traced value is not allowed); or when forward-mode
+        differentiation reaches the loop.
       ValueError: when the lengths of ``xs`` and ``length`` disagree or neither
-        is given, or when ``length`` or ``unroll`` is negative.
+        is given, when ``length`` or ``unroll`` is negative, or when
+        ``checkpoints`` is below 1.
     """
     _check_callable("scan", "f", f)
     length = _check_length(length)
@@ -485,5 +534,5 @@ def scan(
     )
     sp = ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll)
     run = scan_function(sp, mode, slots)
-    final, ys = run(list(consts), c_leaves, x_leaves)
+    final, ys = _call("scan", run, list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))

@@ -598,8 +598,8 @@ def test_type_errors():
         scan(lambda c, x: (c + x, None), jnp.ones(2), jnp.ones((3, 2)), length=4)
     with pytest.raises(ValueError, match="explicit length"):
         scan(lambda c, x: (c + 1.0, None), jnp.ones(2), None)
-    # Forward mode is not available for a custom VJP; JAX says so.
-    with pytest.raises(TypeError, match="custom_vjp"):
+    # Forward mode is not available for a custom VJP; the loop says so.
+    with pytest.raises(TypeError, match="reverse mode only"):
         jax.jvp(
             lambda x: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, x),
             (1.0,),
@@ -866,3 +866,30 @@ def test_while_bad_arguments_are_one_line_and_named():
         assert word in message, message
     with pytest.raises(TypeError, match="scan: f must be callable, got 3"):
         scan(3, 0.0, jnp.ones(3))
+
+
+def test_a_new_callback_in_the_same_body_is_called_not_the_cached_one():
+    """The compiled forward loop is reused only for the same callback function."""
+    calls: dict[str, int] = {"a": 0, "b": 0}
+
+    def body_calling(name):
+        def tick():
+            calls[name] += 1
+
+        def body(c):
+            x, i = c
+            jax.debug.callback(tick)
+            return x + 1.0, i + 1
+
+        return body
+
+    for name in ("a", "b"):
+        while_loop(lambda c: c[1] < 3, body_calling(name), (jnp.ones(2), 0))
+        scan(
+            lambda c, x, n=name: (body_calling(n)(c), None),
+            (jnp.ones(2), 0),
+            None,
+            length=2,
+        )
+    jax.effects_barrier()
+    assert calls == {"a": 5, "b": 5}

@@ -12,9 +12,10 @@ Two keys are computed from a jaxpr, for two kinds of cache:
 * :func:`identity` also compares those objects by identity. A compiled
   function that closes over a jaxpr (and so over its rules and nested
   constants) may be reused only for a jaxpr with an equal identity key.
-* :func:`primal` compares nested constants by identity but not derivative
-  rules: a function computing only values (a jitted forward loop) may be
-  reused for a jaxpr with an equal primal key.
+* :func:`primal` compares nested constants and other objects (a callback's
+  function) by identity, but not derivative rules: a function computing only
+  values (a jitted forward loop) may be reused for a jaxpr with an equal
+  primal key.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
             return _Opaque(c)
         return ("const", tuple(getattr(c, "shape", ())), str(getattr(c, "dtype", "")))
 
-    def value(p):
+    def value(p, rules=False):
         nested = jx.nested_jaxpr(p)
         if nested is not None:
             inner, consts = nested
@@ -99,21 +100,25 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
                 tuple(map(const, consts)),
             )
         if isinstance(p, (tuple, list)):
-            return (type(p).__name__, tuple(value(q) for q in p))
+            return (type(p).__name__, tuple(value(q, rules) for q in p))
         if isinstance(p, dict):
-            return ("dict", tuple((k, value(q)) for k, q in sorted(p.items())))
+            return ("dict", tuple((k, value(q, rules)) for k, q in sorted(p.items())))
         if isinstance(p, (str, int, float, bool, complex, type(None))):
             return p
+        # A callback's function changes what is computed; a custom derivative
+        # rule changes only derivatives.
+        by_id = objects_by_id or (consts_by_id and not rules)
         try:
             hash(p)
         except TypeError:
-            return _Opaque(p) if objects_by_id else "opaque"
+            return _Opaque(p) if by_id else "opaque"
         if callable(p) or hasattr(p, "f"):
-            return _Opaque(p) if objects_by_id else "opaque"
+            return _Opaque(p) if by_id else "opaque"
         return p
 
     def eqn_key(e):
-        params = tuple((k, value(q)) for k, q in sorted(e.params.items()))
+        rules = jx.primitive_name(e).startswith("custom_")
+        params = tuple((k, value(q, rules)) for k, q in sorted(e.params.items()))
         if not objects_by_id:
             tag = jx.tag_of(e)
             if tag is not None:

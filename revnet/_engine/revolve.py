@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -58,6 +59,7 @@ def _grow(b: jnp.ndarray, a: Any, j: Any) -> jnp.ndarray:
     return jnp.where(big, _INT32_MAX, b * (a + j) // j)
 
 
+@jax.jit
 def split(length: Any, snapshots: Any) -> jnp.ndarray:
     """Where to store the next snapshot when reversing ``length >= 2`` steps.
 
