@@ -9,7 +9,10 @@ its own trip count), and the MLP is fitted with optax to final states of the
 Henon-Heiles system. Then, for a growing number of steps, the compiled memory
 (``memory_analysis().temp_size_in_bytes``) and FLOPs (``cost_analysis``) of
 ``jit(grad(loss))`` are measured for ``revnet.while_loop``, ``revnet.scan``,
-plain ``lax.scan`` and ``lax.scan`` over a ``jax.checkpoint``-ed step.
+plain ``lax.scan`` and ``lax.scan`` over a ``jax.checkpoint``-ed step. Last,
+:mod:`experiments.loop_compare` compares loops over an invertible, a partly
+invertible and a non-invertible body, four ways each, in memory, body
+evaluations and step time, against steps taken and against ``max_steps``.
 
 Run ``python -m experiments.loops --help`` for the flags.
 """
@@ -27,13 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from experiments import common
+from experiments import common, loop_compare
 from revnet.loops import scan, while_loop
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 STEPS_QUICK = [16, 128, 1024]
 STEPS_FULL = [8, 32, 128, 512, 2048, 8192]
 STEPS_TINY = [8, 64]
+COMPARE_STEPS = [16, 64, 256, 1024, 4096]
+COMPARE_STEPS_TINY = [16, 64]
+COMPARE_MAX_STEPS = [256, 1024, 4096, 16384]
+COMPARE_MAX_STEPS_TINY = [64, 256]
 METHODS = ("revnet.while_loop", "revnet.scan", "lax.scan", "checkpointed lax.scan")
 
 Params = Any
@@ -277,13 +284,19 @@ def measure(args: argparse.Namespace, steps: Sequence[int]) -> list[dict[str, An
     return rows
 
 
-def plot(rows: list[dict[str, Any]], training: dict[str, Any], out: str) -> str:
+def plot(
+    rows: list[dict[str, Any]],
+    training: dict[str, Any],
+    comparison: list[dict[str, Any]],
+    out: str,
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.4))
+    ax, ax2, ax3 = axes[0]
     styles = {
         "revnet.while_loop": "o-",
         "revnet.scan": "x--",
@@ -311,6 +324,26 @@ def plot(rows: list[dict[str, Any]], training: dict[str, Any], out: str) -> str:
     ax2.set_ylabel("MSE of final (q, p)")
     ax2.set_title("Training through revnet.while_loop")
     ax2.grid(True, which="both", alpha=0.3)
+    for body, marker in zip(loop_compare.BODIES, "osx"):
+        for method, line in (("revnet", "-"), ("checkpointed lax.scan", ":")):
+            pts = [
+                (r["max_steps"], r["body_evaluations"])
+                for r in comparison
+                if r["sweep"] == "max_steps"
+                and r["body"] == body
+                and r["method"] == method
+            ]
+            if pts:
+                xs, ys = zip(*pts)
+                ax3.plot(xs, ys, marker + line, label=f"{method}, {body}")
+    ax3.set_xscale("log", base=2)
+    ax3.set_yscale("log")
+    ax3.set_xlabel("max_steps (steps taken fixed)")
+    ax3.set_ylabel("body evaluations per gradient")
+    ax3.set_title("Cost follows steps taken, not max_steps")
+    ax3.grid(True, which="both", alpha=0.3)
+    ax3.legend(fontsize=7)
+    loop_compare.plot_axes(axes[1], comparison)
     fig.tight_layout()
     return common.save_figure(fig, out, "loops")
 
@@ -372,6 +405,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="adam learning rate (default: 3e-3)",
     )
     parser.add_argument(
+        "--compare-steps",
+        type=common.int_list,
+        default=None,
+        help="comma-separated steps taken for the three-body comparison, with "
+        "max_steps equal to them (default: "
+        f"{','.join(map(str, COMPARE_STEPS))}; tiny "
+        f"{','.join(map(str, COMPARE_STEPS_TINY))})",
+    )
+    parser.add_argument(
+        "--compare-max-steps",
+        type=common.int_list,
+        default=None,
+        help="comma-separated max_steps for the comparison, each with a quarter "
+        "of the smallest as the steps taken (default: "
+        f"{','.join(map(str, COMPARE_MAX_STEPS))}; tiny "
+        f"{','.join(map(str, COMPARE_MAX_STEPS_TINY))})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=common.positive_int,
+        default=None,
+        help="timed repeats per comparison point (default: 3 tiny, 7)",
+    )
+    parser.add_argument(
         "--seed", type=common.seed_int, default=0, help="random seed (default: 0)"
     )
     return parser
@@ -393,6 +450,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch = 16 if args.tiny else 64 if args.quick else 256
     if args.train_steps is None:
         args.train_steps = 3 if args.tiny else 20 if args.quick else 200
+    if args.compare_steps is None:
+        args.compare_steps = COMPARE_STEPS_TINY if args.tiny else COMPARE_STEPS
+    if args.compare_max_steps is None:
+        args.compare_max_steps = (
+            COMPARE_MAX_STEPS_TINY if args.tiny else COMPARE_MAX_STEPS
+        )
+    if args.repeats is None:
+        args.repeats = 3 if args.tiny else 7
 
     print(
         f"training: batch {args.batch}, end times in [{args.t_min}, "
@@ -412,13 +477,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = {r["steps"]: r for r in rows if r["method"] == "lax.scan"}
     for r in rows:
         r["flops_ratio_to_lax_scan"] = r["flops"] / base[r["steps"]]["flops"]
+    fixed = max(1, min(args.compare_max_steps) // 4)
+    print(
+        f"three bodies, four ways (width {args.width}, batch {args.batch}; "
+        f"max_steps sweep at {fixed} steps taken):",
+        flush=True,
+    )
+    comparison = loop_compare.compare(
+        args.compare_steps,
+        args.compare_max_steps,
+        fixed,
+        args.width,
+        args.batch,
+        args.repeats,
+        args.seed,
+        log=lambda line: print(line, flush=True),
+    )
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["methods"] = list(METHODS)
     config["potential"] = "|q|^2/2 + tanh MLP; data from Henon-Heiles"
+    config["comparison_methods"] = list(loop_compare.METHODS)
+    config["comparison_steps_taken_in_max_steps_sweep"] = fixed
     path = common.write_json(
-        args.out, "loops", config, {"training": training, "sweep": rows}
+        args.out,
+        "loops",
+        config,
+        {"training": training, "sweep": rows, "comparison": comparison},
     )
-    png = plot(rows, training, args.out)
+    png = plot(rows, training, comparison, args.out)
     print(f"wrote {path} and {png}")
     return 0
 

@@ -518,3 +518,31 @@ def test_a_checkpointed_lax_scan_grows_with_max_steps_where_revnet_does_not():
         return jax.grad(loss)
 
     assert _temp(bounded(4096), z) > 3 * _temp(bounded(1024), z)
+
+
+# --------------------------------------------------------------------------- #
+# The comparison experiment counts every evaluation, whichever way it happens.
+
+
+def test_the_comparison_counts_forward_recomputed_and_inverted_evaluations():
+    from experiments import loop_compare as lc
+
+    params, q0 = lc.init(jax.random.PRNGKey(0), 8, 2)
+    n, m = 8, 32
+
+    def point(body, method):
+        return lc.measure_point(body, method, n, m, params, q0, repeats=1)
+
+    # Inverting: the forward step, then its inverse in the backward pass.
+    assert point("invertible", "revnet")["body_evaluations"] == 2 * n
+    assert point("partly invertible", "revnet")["body_evaluations"] == 2 * n
+    # Checkpointing: forward, the schedule's recomputation, and the VJP's.
+    slots = revolve.default_slots(m)
+    want = n + _fewest(n, slots - 1) + n
+    assert point("not invertible", "revnet")["body_evaluations"] == want
+    assert point("invertible", "revnet checkpoint")["body_evaluations"] == want
+    # jax.checkpoint over a bounded scan runs every one of max_steps twice.
+    scan_row = point("not invertible", "checkpointed lax.scan")
+    assert scan_row["body_evaluations"] == 2 * m
+    assert point("not invertible", "unrolled")["body_evaluations"] == n
+    assert point("not invertible", "revnet")["temp_bytes"] < scan_row["temp_bytes"]
