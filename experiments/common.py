@@ -308,6 +308,16 @@ def save_figure(fig: Any, out: str, name: str) -> str:
 # ------------------------------------------------------------------- measuring
 
 
+def log_axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """Log-log axes (base 2 in x) with labels, a title and a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def compile_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
     """Compiles ``jax.jit(fn)`` for ``args`` and reads XLA's plan.
 

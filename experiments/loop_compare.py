@@ -240,10 +240,10 @@ def plot_axes(axes: Sequence[Any], rows: list[dict[str, Any]]) -> None:
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, styles[method], label=method)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("steps taken (= max_steps)")
-        ax.set_ylabel("temp memory of jit(grad) [MiB]")
-        ax.set_title(f"{body} body")
-        ax.grid(True, which="both", alpha=0.3)
+        common.log_axes(
+            ax,
+            "steps taken (= max_steps)",
+            "temp memory of jit(grad) [MiB]",
+            f"{body} body",
+        )
     axes[0].legend(fontsize=8)

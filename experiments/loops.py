@@ -311,12 +311,12 @@ def plot(
         ]
         xs, ys = zip(*pts)
         ax.plot(xs, ys, styles[method], label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("leapfrog steps")
-    ax.set_ylabel("compiled temp memory of jit(grad) [MiB]")
-    ax.set_title("Backward memory vs number of steps")
-    ax.grid(True, which="both", alpha=0.3)
+    common.log_axes(
+        ax,
+        "leapfrog steps",
+        "compiled temp memory of jit(grad) [MiB]",
+        "Backward memory vs number of steps",
+    )
     ax.legend()
     ax2.plot(np.arange(len(training["losses"])), training["losses"], "o-", markersize=3)
     ax2.set_yscale("log")
@@ -336,12 +336,12 @@ def plot(
             if pts:
                 xs, ys = zip(*pts)
                 ax3.plot(xs, ys, marker + line, label=f"{method}, {body}")
-    ax3.set_xscale("log", base=2)
-    ax3.set_yscale("log")
-    ax3.set_xlabel("max_steps (steps taken fixed)")
-    ax3.set_ylabel("body evaluations per gradient")
-    ax3.set_title("Cost follows steps taken, not max_steps")
-    ax3.grid(True, which="both", alpha=0.3)
+    common.log_axes(
+        ax3,
+        "max_steps (steps taken fixed)",
+        "body evaluations per gradient",
+        "Cost follows steps taken, not max_steps",
+    )
     ax3.legend(fontsize=7)
     loop_compare.plot_axes(axes[1], comparison)
     fig.tight_layout()
