@@ -28,8 +28,9 @@ The rule in full (:mod:`revnet._engine.modes`): ``invert=False`` always
 checkpoints; otherwise a carry that is invertible as a whole is inverted
 (``invert=True`` requires it, raising :class:`revnet.NotInvertibleError`
 that names the leaf and equation when it is not); a bounded loop in which
-inversion rebuilds at least one floating-point leaf stores the others
-(integer leaves alone, such as step counters, do not count); anything else
+inversion rebuilds at least one floating-point leaf whose update reads another
+leaf stores the others (leaves updated from themselves alone, such as a step
+counter ``i + 1`` or a clock ``t + dt``, do not count); anything else
 checkpoints. ``invert=False`` is for a body whose inverse is ill-conditioned.
 
 In every mode the trip count is recorded by the forward pass, never recomputed

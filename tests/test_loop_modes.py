@@ -50,6 +50,8 @@ def _params(dtype, d=3, seed=0):
 
 
 def _step(kind, p, c, x=1.0):
+    if kind == "damped_clock":
+        return (*_step("damped", p, c[:1], x), c[1] + p["dt"])
     if kind == "damped":
         (z,) = c
         z = (1 - p["g"]) * z + x * p["dt"] * jnp.tanh(z @ p["w"] + p["b"])
@@ -70,6 +72,8 @@ def _init(kind, dtype, batch=(), d=3, seed=1):
     v = jax.random.normal(k2, (*batch, d)).astype(dtype)
     if kind == "damped":
         return (q,)
+    if kind == "damped_clock":
+        return q, jnp.zeros((), dtype)
     if kind == "leapfrog":
         return q, v
     return q, v, jnp.zeros(batch, dtype)
@@ -142,6 +146,8 @@ def _modes_chosen():
         # The step counter is rebuilt, but a counter alone is not worth storing
         # the whole float state for.
         ("damped", dict(max_steps=50), "checkpoint", None),
+        # Nor is a float clock updated from itself alone.
+        ("damped_clock", dict(max_steps=50), "checkpoint", None),
         ("damped", dict(), "checkpoint", None),
     ],
 )
@@ -546,3 +552,26 @@ def test_the_comparison_counts_forward_recomputed_and_inverted_evaluations():
     assert scan_row["body_evaluations"] == 2 * m
     assert point("not invertible", "unrolled")["body_evaluations"] == n
     assert point("not invertible", "revnet")["temp_bytes"] < scan_row["temp_bytes"]
+
+
+def test_the_readme_loops_run_in_the_modes_the_readme_names():
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    code = next(b for b in blocks if "def leapfrog_max" in b)
+    ns = {
+        "jnp": jnp,
+        "revnet": __import__("revnet"),
+        "dt": 0.1,
+        "t_end": 1.0,
+        "grad_v": jnp.tanh,
+        "w": 0.5 * jnp.eye(3),
+        "q0": jnp.ones(3),
+        "p0": jnp.zeros(3),
+        "z0": jnp.ones(3),
+    }
+    with _modes_chosen() as seen:
+        exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+    assert [m.kind for m in seen] == ["invert", "store", "checkpoint"]

@@ -9,11 +9,12 @@ The rule, applied by :func:`choose` to the loop body's jaxpr (constants and
    holds one carry, whatever the number of steps.
 3. ``invert=True`` and (2) does not hold: :class:`~.errors.Stuck` is raised.
 4. The loop has a bound on its steps (``scan``, or ``while_loop`` with
-   ``max_steps``) and inversion rebuilds at least one floating-point leaf of
-   the carry given the others: **store**. The leaves it cannot rebuild are
-   stored at every step (``bound`` copies of those leaves only) and the others
-   are rebuilt. Integer leaves alone (step counters) do not make a carry
-   partly invertible.
+   ``max_steps``) and inversion rebuilds, given the others, at least one
+   floating-point leaf whose update reads another leaf of the carry:
+   **store**. The leaves it cannot rebuild are stored at every step
+   (``bound`` copies of those leaves only) and the others are rebuilt. Leaves
+   updated from themselves alone (a step counter ``i + 1``, a clock ``t +
+   dt``) do not make a carry partly invertible.
 5. Otherwise: **checkpoint**.
 
 The stored set of (4) is found by the analysis: every leaf left unknown is
@@ -34,6 +35,7 @@ from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.errors import Stuck
 from revnet._engine.plan import Plan
+from revnet._engine.scan import restrict
 
 INVERT, STORE, CHECKPOINT = "invert", "store", "checkpoint"
 
@@ -94,11 +96,24 @@ def choose(
         except Stuck:
             continue
         stored = trial
-    rebuilt = [n for n in carry if n not in stored]
-    if not any(is_float_aval(jx.aval(jaxpr.invars[n])) for n in rebuilt):
+    if not any(
+        _coupled_float(jaxpr, carry, k) for k, n in enumerate(carry) if n not in stored
+    ):
         return Mode(CHECKPOINT, None, none)
     plan = analysis.analyze(jaxpr, _with(known_in, stored), known_out)
     return Mode(STORE, plan, tuple(n in stored for n in carry))
+
+
+def _coupled_float(jaxpr: Any, carry: Sequence[int], k: int) -> bool:
+    """Whether carry leaf ``k`` is a float whose update reads another carry leaf.
+
+    A leaf updated from itself alone (a counter ``i + 1``, a clock ``t + dt``)
+    is rebuilt for free and says nothing about the rest of the carry.
+    """
+    if not is_float_aval(jx.aval(jaxpr.invars[carry[k]])):
+        return False
+    _, reads = restrict(jaxpr, [k])
+    return any(n in reads for n in carry if n != carry[k])
 
 
 def _with(known_in: Sequence[bool], extra: set[int]) -> tuple[bool, ...]:
