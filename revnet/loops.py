@@ -77,6 +77,7 @@ from revnet._engine import (
     trace,
     while_function,
 )
+from revnet.drift import DriftMonitor, check_monitor
 
 __all__ = ["scan", "while_loop"]
 
@@ -119,6 +120,13 @@ def _check_carry(
                 f"{fname} must return a carry with the same shapes and dtypes as its "
                 f"input: got ({_describe(out_avals)}), expected ({_describe(in_avals)})"
             )
+
+
+def _name(fun: Any, default: str) -> str:
+    """A function's name for messages, looking through ``functools.partial``."""
+    while not hasattr(fun, "__name__") and hasattr(fun, "func"):
+        fun = fun.func
+    return getattr(fun, "__name__", default)
 
 
 def _check_callable(fname: str, arg: str, fun: Any) -> None:
@@ -172,23 +180,36 @@ def _check_max_steps(max_steps: Any) -> int | None:
     return bound
 
 
+def _positive_int(fname: str, arg: str, value: Any) -> int:
+    """``value`` as an int, or a one-line error unless it is a positive integer."""
+    expected = "a positive integer known at trace time, or None"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fname}: {arg} must be {expected}, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{fname}: {arg} must be {expected}, got {show(value)}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"{fname}: {arg} must be at least 1, got {n}")
+    return n
+
+
 def _check_checkpoints(fname: str, checkpoints: Any, bound: int | None) -> int:
     """The number of snapshots: ``checkpoints`` checked, or the default."""
     if checkpoints is None:
         return revolve.default_slots(bound)
-    expected = "a positive integer known at trace time, or None"
-    if isinstance(checkpoints, (bool, np.bool_)):
-        raise TypeError(f"{fname}: checkpoints must be {expected}, got {checkpoints!r}")
-    try:
-        n = operator.index(checkpoints)
-    except TypeError:
-        raise TypeError(
-            f"{fname}: checkpoints must be {expected}, got {show(checkpoints)}"
-        ) from None
-    if n < 1:
-        raise ValueError(f"{fname}: checkpoints must be at least 1, got {n}")
+    n = _positive_int(fname, "checkpoints", checkpoints)
     # More snapshots than steps are never used.
     return n if bound is None else max(1, min(n, bound + 1))
+
+
+def _check_anchor_every(fname: str, anchor_every: Any) -> int | None:
+    """``anchor_every`` checked: None or a positive integer."""
+    if anchor_every is None:
+        return None
+    return _positive_int(fname, "anchor_every", anchor_every)
 
 
 def _check_invert(fname: str, invert: Any) -> bool | None:
@@ -303,7 +324,7 @@ def while_loop(
     bound = _check_max_steps(max_steps)
     slots = _check_checkpoints("while_loop", checkpoints, bound)
     invert = _check_invert("while_loop", invert)
-    bname = getattr(body_fun, "__name__", "body_fun")
+    bname = _name(body_fun, "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     out_tree_box: list = []
 
@@ -417,6 +438,8 @@ def scan(
     unroll: int | bool = 1,
     checkpoints: int | None = None,
     invert: bool | None = None,
+    anchor_every: int | None = None,
+    drift: DriftMonitor | None = None,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -464,6 +487,16 @@ def scan(
       invert: None (the default) picks the mode by the rule of
         :mod:`revnet.loops`; True requires the whole carry to be rebuilt by
         inversion; False checkpoints even an invertible ``f``.
+      anchor_every: None, or a positive integer ``k``: when the carry is
+        rebuilt by inversion, the forward pass also stores it before every
+        ``k``-th step (``ceil(length / k)`` carries) and the backward pass
+        continues from each stored carry, so reconstruction error accumulates
+        over at most ``k`` steps (:mod:`revnet.drift`). Costs no extra body
+        evaluation. Checkpointing recomputes exactly and stores no anchors.
+      drift: None, or a :class:`revnet.DriftMonitor` that every backward pass
+        sends the reconstruction error at each anchor to (without
+        ``anchor_every``, the initial carry is stored and the error of the
+        whole loop is reported).
 
     Returns:
       ``(final_carry, ys)`` with ``ys`` stacked along a leading axis, in the
@@ -479,14 +512,16 @@ def scan(
         differentiation reaches the loop.
       ValueError: when the lengths of ``xs`` and ``length`` disagree or neither
         is given, when ``length`` or ``unroll`` is negative, or when
-        ``checkpoints`` is below 1.
+        ``checkpoints`` or ``anchor_every`` is below 1.
     """
     _check_callable("scan", "f", f)
     length = _check_length(length)
     reverse = _check_reverse(reverse)
     unroll = _check_unroll(unroll)
     invert = _check_invert("scan", invert)
-    fname = getattr(f, "__name__", "f")
+    anchor_every = _check_anchor_every("scan", anchor_every)
+    drift = check_monitor("scan", drift)
+    fname = _name(f, "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
@@ -534,6 +569,9 @@ def scan(
         lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
     )
     sp = ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll)
-    run = scan_function(sp, mode, slots)
+    if drift is not None and anchor_every is None:
+        anchor_every = max(n, 1)  # the initial carry only
+    report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
+    run = scan_function(sp, mode, slots, anchor_every, report)
     final, ys = _call("scan", run, list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from revnet._engine import anchors as anc
 from revnet._engine import checks, cotangents, fingerprint, revolve
 from revnet._engine.analysis import LRU
 from revnet._engine.calls import LoopTag
@@ -50,14 +51,27 @@ def _avals(vars_: Any) -> list[Any]:
     return [aval(v) for v in vars_]
 
 
-def scan_function(sp: ScanParams, mode: Mode, slots: int):
+def scan_function(
+    sp: ScanParams,
+    mode: Mode,
+    slots: int,
+    anchor_every: int | None = None,
+    report: Any = None,
+):
     """``run(consts, init, xs) -> (final, ys)``, a custom VJP for the scan ``sp``.
 
     Args:
       sp: the scan; its body's inputs are the constants, carry and ``xs``.
       mode: how the backward pass gets each carry (:mod:`.modes`).
       slots: the number of snapshots when checkpointing.
+      anchor_every: when inverting, store the carry every ``anchor_every``
+        steps and continue the backward pass from it (:mod:`.anchors`).
+        Checkpointing recomputes carries exactly and uses no anchors.
+      report: with anchors, None or a function given the drift at each
+        anchor (through ``jax.debug.callback``) by every backward pass.
     """
+    if mode.kind == CHECKPOINT:
+        anchor_every = None
     key = (
         "scan",
         fingerprint.primal(sp.body.jaxpr),
@@ -67,14 +81,15 @@ def scan_function(sp: ScanParams, mode: Mode, slots: int):
         sp.reverse,
         repr(sp.unroll),
         mode.stored,
+        anchor_every,
     )
     forward = _FORWARDS.get(key)
     if forward is None:
-        forward = _scan_forward(sp, mode.stored)
+        forward = _scan_forward(sp, mode.stored, anchor_every)
         _FORWARDS.put(key, forward)
     if mode.kind == CHECKPOINT:
         return _checkpointed_scan(sp, forward, slots)
-    return _make_scan(sp, mode, forward)
+    return _make_scan(sp, mode, forward, anchor_every, report)
 
 
 def while_function(
@@ -144,23 +159,29 @@ def _while_forward(body: Body, cond: Body, bound: int | None, stored):
     return jax.jit(forward)
 
 
-def _scan_forward(sp: ScanParams, stored):
-    """``forward(consts, init, xs) -> (final, (ys, stored leaves))``, jitted."""
+def _scan_forward(sp: ScanParams, stored, every: int | None):
+    """``forward(consts, init, xs) -> (final, (ys, stored leaves), anchors)``,
+    jitted; ``anchors`` is empty unless ``every`` is given."""
     nc = sp.num_carry
 
     def forward(consts, init, xs):
-        def body(c, x):
+        def body(state, x):
+            c, bufs, i = state
             out = eval_body(sp.body, *consts, *c, *x)
-            return out[:nc], (out[nc:], _kept(c, stored))
+            if every is not None:
+                bufs = anc.keep(bufs, c, i, every)
+            return (out[:nc], bufs, i + 1), (out[nc:], _kept(c, stored))
 
-        return lax.scan(
+        bufs = [] if every is None else anc.empty(init, sp.length, every)
+        (final, bufs, _), out = lax.scan(
             body,
-            list(init),
+            (list(init), bufs, jnp.int32(0)),
             list(xs),
             length=sp.length,
             reverse=sp.reverse,
             unroll=sp.unroll,
         )
+        return final, out, bufs
 
     return jax.jit(forward)
 
@@ -279,7 +300,7 @@ def _scan_avals(sp: ScanParams):
     return k_avals, c_avals, x_avals
 
 
-def _make_scan(sp: ScanParams, mode: Mode, forward):
+def _make_scan(sp: ScanParams, mode: Mode, forward, every: int | None, report):
     """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
     nk, nc = sp.num_consts, sp.num_carry
     k_avals, c_avals, x_avals = _scan_avals(sp)
@@ -289,15 +310,16 @@ def _make_scan(sp: ScanParams, mode: Mode, forward):
 
     @jax.custom_vjp
     def run(consts, init, xs):
-        final, (ys, _) = forward(consts, init, xs)
+        final, (ys, _), _ = forward(consts, init, xs)
         return final, ys
 
     def fwd(consts, init, xs):
-        final, (ys, bufs) = forward(consts, init, xs)
-        return (final, ys), (consts, xs, final, ys, bufs)
+        final, (ys, bufs), kept = forward(consts, init, xs)
+        return (final, ys), (consts, xs, final, ys, bufs, kept)
 
     def bwd(res, cts):
-        consts, xs, final, ys, bufs = res
+        consts, xs, final, ys, bufs, kept = res
+        anchors = None if every is None else anc.Anchors(every, kept, report)
         ct_final, ct_ys = cts
         known = list(consts) + [None] * nc + list(xs)
         outs = list(final) + list(ys)
@@ -311,6 +333,7 @@ def _make_scan(sp: ScanParams, mode: Mode, forward):
                 outs,
                 list(ct_final) + list(ct_ys),
                 merge([None] * (nc - len(bufs)), bufs, stored),
+                anchors,
             )
         checks.raise_if_failed(top)
         in_cts = cotangents.fill(in_cts, k_avals + c_avals + x_avals)
@@ -329,11 +352,11 @@ def _checkpointed_scan(sp: ScanParams, forward, slots: int):
 
     @jax.custom_vjp
     def run(consts, init, xs):
-        final, (ys, _) = forward(consts, init, xs)
+        final, (ys, _), _ = forward(consts, init, xs)
         return final, ys
 
     def fwd(consts, init, xs):
-        final, (ys, _) = forward(consts, init, xs)
+        final, (ys, _), _ = forward(consts, init, xs)
         return (final, ys), (consts, list(init), xs)
 
     def bwd(res, cts):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from revnet._engine import analysis, checks, registry, select
+from revnet._engine import anchors as anc
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
@@ -208,6 +209,7 @@ def reversed_scan(
     outs: Sequence[Any],
     out_cts: Sequence[Any] | None,
     stored: Sequence[Any] | None = None,
+    anchors: anc.Anchors | None = None,
 ):
     """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
 
@@ -221,10 +223,13 @@ def reversed_scan(
       out_cts: cotangents of the outputs, or None for values only.
       stored: for each carry leaf, None when the plan rebuilds it, or its
         value before every step, stacked (the plan reads it as known).
+      anchors: carries stored every few steps (:mod:`.anchors`), from which
+        the backward pass continues; with cotangents only.
 
     Returns:
       ``(rebuilt values, input cotangents or None)``: the initial carry and
-      unknown ``xs``; cotangents of constants, initial carry and ``xs``.
+      unknown ``xs``; cotangents of constants, initial carry and ``xs``. With
+      anchors that have a report, the drift at each anchor is reported.
     """
     nc, ncar = sp.num_consts, sp.num_carry
     body_consts = list(sp.body.consts)
@@ -248,6 +253,8 @@ def reversed_scan(
     nr = ncar - len(stored)  # carry leaves the plan rebuilds
 
     if out_cts is None:
+        if anchors is not None:
+            raise ValueError("reversed_scan: anchors need cotangents")
 
         def body(state, per):
             carry, bad = state
@@ -277,7 +284,7 @@ def reversed_scan(
     has_ct_y = [c is not None and not ct.is_float0(c) for c in ct_ys]
 
     def body(state, per):
-        carry, ctc, ctk, bad = state
+        carry, ctc, ctk, bad, (i, drift) = state
         x_t, y_t, s_t, cty_present = per
         present = iter(cty_present)
         cty_t = [next(present) if h else None for h in has_ct_y]
@@ -302,7 +309,10 @@ def reversed_scan(
         new_ctc = ct.float_or_none(in_cts[nc : nc + ncar], carry_avals)
         x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
         carry = merge(vals[:nr], s_t, mask)
-        return (carry, new_ctc, new_ctk, bad), (vals[nr:], x_cts)
+        if anchors is not None:
+            carry, drift = anc.restore(anchors, carry, i, drift)
+            i = i - 1
+        return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
 
     ct_consts0 = [
         jnp.zeros(a.shape, a.dtype) if f else None
@@ -313,14 +323,17 @@ def reversed_scan(
         ct.float_or_none(out_cts[:ncar], carry_avals),
         ct_consts0,
         jnp.int32(-1) if checking else None,
+        (None, None) if anchors is None else anc.start(anchors, sp.length),
     )
-    (init, ct_init, ct_k, bad), (xs_new, ct_xs) = lax.scan(
+    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = lax.scan(
         body,
         state,
         (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),
         **scan_kw,
     )
     checks.record_index(bad, messages)
+    if anchors is not None:
+        anc.report(anchors, drift)
     return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
 
 

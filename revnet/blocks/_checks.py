@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from revnet._engine import show
+from revnet.drift import DriftMonitor
 
 
 def check_input(
@@ -232,3 +233,14 @@ def check_mapping(module: str, arg: str, value: Any) -> dict | None:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise _fail(module, arg, value, expected)
     return dict(value)
+
+
+def check_monitor(module: str, arg: str, value: Any) -> Any:
+    """Checks that ``value`` is a :class:`revnet.DriftMonitor` or None.
+
+    Raises:
+      TypeError: If it is anything else.
+    """
+    if value is not None and not isinstance(value, DriftMonitor):
+        raise _fail(module, arg, value, "a revnet.DriftMonitor or None")
+    return value

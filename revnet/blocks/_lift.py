@@ -52,6 +52,8 @@ class Lifted:
       num_stacked: If given, ``num_stacked`` independently initialised copies
         of the parameters and state are stacked on a leading axis (as
         ``hk.layer_stack`` does); ``apply`` then takes one slice.
+      zero_last: If True, the parameters of the module that ``fn`` creates
+        last (its output layer, for ``hk.nets.MLP``) are initialised to zero.
     """
 
     def __init__(
@@ -61,9 +63,12 @@ class Lifted:
         name: str,
         compute_dtype: Any = None,
         num_stacked: int | None = None,
+        zero_last: bool = False,
     ):
         self.transformed = hk.transform_with_state(fn)
         init = self.transformed.init
+        if zero_last:
+            init = _zero_last_module(init)
         if num_stacked is not None:
 
             def init(key, *args, **kwargs):
@@ -96,6 +101,24 @@ class Lifted:
     def apply(self) -> PureApply:
         """The pure function ``(params, state, rng, x) -> (y, new_state)``."""
         return make_pure(self.transformed.apply, self.compute_dtype)
+
+
+def _zero_last_module(init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init`` whose last-created module's parameters are zeros.
+
+    Haiku's parameter dictionaries keep the order in which modules were
+    created, so the last entry is the module created last.
+    """
+
+    def zeroed(*args: Any, **kwargs: Any) -> tuple[hk.Params, hk.State]:
+        params, state = init(*args, **kwargs)
+        if params:
+            params = dict(params)
+            last = next(reversed(params))
+            params[last] = jax.tree.map(jnp.zeros_like, params[last])
+        return params, state
+
+    return zeroed
 
 
 def make_pure(apply_fn: PureApply, compute_dtype: Any) -> PureApply:

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 
 import revnet
 from revnet.blocks._checks import (
+    check_bool,
     check_callable,
+    check_choice,
     check_float_dtype,
     check_name,
     check_output,
@@ -169,13 +171,34 @@ class AdditiveCoupling(hk.Module):
 
 
 class AffineCoupling(hk.Module):
-    """Affine coupling with a softly bounded log-scale (as in Glow / RealNVP).
+    """Affine coupling (as in RealNVP / Glow), well conditioned by default.
 
     Splits the last axis of ``x`` into halves ``x1, x2``; ``net(x1)`` returns an
-    array whose last axis is twice that of ``x2``, split into a raw log-scale and
-    a shift ``t``. The log-scale is bounded with
-    ``s = scale_bound * tanh(raw / scale_bound)`` so that deep stacks stay
-    invertible in float32, and ``y = (x1, x2 * exp(s) + t)``.
+    array whose last axis is twice that of ``x2``, split into a raw scale ``r``
+    and a shift ``t``, and ``y = (x1, x2 * a(r) + t)``. The scale ``a(r)``:
+
+    * ``scale="sigmoid"`` (default): ``a = 1/2 + sigmoid(r)``, in ``(1/2, 3/2)``
+      and 1 at ``r = 0``. With ``zero_init`` (default) the net's output layer
+      starts at zero, so each block starts as the identity.
+    * ``scale="tanh"``: ``a = exp(b * tanh(r / b))`` with ``b = scale_bound``,
+      a soft clamp of the log-scale to ``(-b, b)`` (the default before, with
+      ``b = 2`` and no ``zero_init``).
+    * ``scale="exp"``: ``a = exp(r)``, unbounded.
+
+    Conditioning, per block. For fixed ``x1`` the map ``x2 -> y2`` has
+    Lipschitz constant ``max a`` and its inverse ``1 / min a``: 3/2 and 2 for
+    ``"sigmoid"``, ``e^b`` both ways for ``"tanh"``, unbounded for ``"exp"``.
+    Through ``x1`` the block also depends on the net: if ``L_r`` and ``L_t``
+    are the Lipschitz constants of its raw-scale and shift outputs and
+    ``|x2| <= m`` elementwise, the Jacobian's off-diagonal block is at most
+    ``A = m * c * L_r + L_t`` in norm (``c = max |a'|``: 1/4 for
+    ``"sigmoid"``, ``e^b`` for ``"tanh"``), so the forward map is Lipschitz
+    with constant at most ``max a + A`` and the inverse at most ``(1 + A) /
+    min a``: ``3/2 + A`` and ``2 (1 + A)`` for the default. A bounded scale
+    whose range lies mostly below 1 keeps ``m`` from growing with depth;
+    measured at depth 128 in float32 (``python -m experiments.numerics``),
+    the default reconstructs its input about 1e6 times more accurately than
+    ``scale="tanh"`` with ``b = 2``.
 
     Example:
 
@@ -193,7 +216,9 @@ class AffineCoupling(hk.Module):
     def __init__(
         self,
         net: Callable[[jax.Array], jax.Array],
-        scale_bound: float | None = 2.0,
+        scale: str = "sigmoid",
+        scale_bound: float | None = None,
+        zero_init: bool = True,
         compute_dtype: Any = None,
         name: str | None = None,
     ):
@@ -201,23 +226,31 @@ class AffineCoupling(hk.Module):
 
         Args:
           net: Function of ``x1`` returning ``[..., 2 * half_channels]`` (raw
-            log-scale, then shift). Builds and applies Haiku modules when called;
+            scale, then shift). Builds and applies Haiku modules when called;
             its parameters live under ``<name>/~/net``.
-          scale_bound: Bound of the soft clamp on the log-scale; ``None`` leaves the
-            log-scale unbounded.
+          scale: ``"sigmoid"``, ``"tanh"`` or ``"exp"``: how the raw scale
+            becomes the scale (see above).
+          scale_bound: With ``scale="tanh"``, the bound ``b`` of the
+            log-scale (default 2.0); give it with ``"tanh"`` only.
+          zero_init: If True, the parameters of the module that ``net``
+            creates last (its output layer) are initialised to zero, so the
+            block starts as the identity (every scale has ``a(0) = 1``).
           compute_dtype: Optional dtype in which ``net`` computes; parameters and
             the residual stream keep their dtype.
           name: Name of the module.
 
         Raises:
-          TypeError: If ``net`` is not callable, ``scale_bound`` is not a number
-            or None, or ``compute_dtype`` is not None or a floating point dtype.
-          ValueError: If ``scale_bound`` is not positive and finite.
+          TypeError: If ``net`` is not callable, ``scale`` is not a string,
+            ``scale_bound`` is not a number or None, ``zero_init`` is not a
+            bool, or ``compute_dtype`` is not None or a floating point dtype.
+          ValueError: If ``scale`` is not one of the three, ``scale_bound`` is
+            not positive and finite, or is given with another scale.
         """
         check_name(type(self), name)
         super().__init__(name=name)
         module = self.module_name
         check_callable(module, "net", net)
+        scale = check_choice(module, "scale", scale, ("sigmoid", "tanh", "exp"))
         if scale_bound is not None:
             scale_bound = check_real(
                 module,
@@ -227,9 +260,19 @@ class AffineCoupling(hk.Module):
                 low=0.0,
                 low_inclusive=False,
             )
+            if scale != "tanh":
+                raise ValueError(
+                    f"{module}: scale_bound must be None unless scale='tanh' (it "
+                    f"bounds that log-scale), got {scale_bound} with scale={scale!r}."
+                )
+        elif scale == "tanh":
+            scale_bound = 2.0
+        zero_init = check_bool(module, "zero_init", zero_init)
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
-        self._net = Lifted(net, self, "net", compute_dtype)
+        self._net = Lifted(net, self, "net", compute_dtype, zero_last=zero_init)
+        self.scale = scale
         self.scale_bound = scale_bound
+        self.zero_init = zero_init
 
     def _forward(self, x: Any) -> Callable[[jax.Array], tuple[Any, Any]]:
         """Fetches (or creates) the parameters, state and key; returns the pure
@@ -239,17 +282,21 @@ class AffineCoupling(hk.Module):
         x1 = x[..., :half] if hk.running_init() else None
         params, state = self._net.params_and_state(x1)
         (key,) = rng_keys(1)
-        net, bound = self._net.apply, self.scale_bound
+        net, kind, bound = self._net.apply, self.scale, self.scale_bound
 
         def affine_coupling(h):
             h1, h2 = split_halves(h)
             out, new_state = net(params, state, key, h1)
             check_output(module, "net", out, h1.shape[:-1] + (2 * h2.shape[-1],))
-            s, t = split_halves(out)
-            if bound is not None:
-                s = bound * jnp.tanh(s / bound)
-            log_det = jnp.sum(s.reshape(s.shape[0], -1), axis=-1)
-            return (join_halves(h1, h2 * jnp.exp(s) + t), log_det), new_state
+            raw, t = split_halves(out)
+            if kind == "sigmoid":
+                a = 0.5 + jax.nn.sigmoid(raw)
+                log_a = jnp.log(a)
+            else:
+                log_a = bound * jnp.tanh(raw / bound) if kind == "tanh" else raw
+                a = jnp.exp(log_a)
+            log_det = jnp.sum(log_a.reshape(log_a.shape[0], -1), axis=-1)
+            return (join_halves(h1, h2 * a + t), log_det), new_state
 
         return affine_coupling
 
@@ -265,7 +312,7 @@ class AffineCoupling(hk.Module):
 
         Returns:
           ``(y, log_det)`` where ``log_det`` of shape ``[batch]`` is, per example,
-          ``log|det dy/dx|`` (the sum of the bounded log-scales).
+          ``log|det dy/dx|`` (the sum of the log-scales).
 
         Raises:
           ValueError: If the last axis of ``x`` is odd or ``x`` has rank < 2.

@@ -35,6 +35,7 @@ from revnet.blocks._checks import (
     check_callable,
     check_input,
     check_int,
+    check_monitor,
     check_name,
     show,
 )
@@ -107,6 +108,8 @@ class ReversibleSequence(hk.Module):
         block_fn: BlockFn | Sequence[BlockFn],
         num_layers: int | None = None,
         reversible: bool = True,
+        anchor_every: int | None = None,
+        drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
     ):
         """Constructs the sequence.
@@ -117,19 +120,44 @@ class ReversibleSequence(hk.Module):
             memory stays constant in depth, compile time grows with the list).
           num_layers: Number of copies of ``block_fn``; leave out with a list.
           reversible: If False, run the same parameters with ordinary backprop.
+          anchor_every: None, or a positive integer ``k``: the forward pass
+            stores the stream before every ``k``-th layer (``ceil(num_layers /
+            k)`` activations) and the backward pass, which rebuilds the others
+            by inversion, restarts from each stored one, so reconstruction
+            error accumulates over at most ``k`` layers. FLOPs are those of
+            the reversible pass; ``anchor_every=1`` holds one activation per
+            layer, as backprop does. Needs a single ``block_fn``.
+          drift: None, or a :class:`revnet.DriftMonitor` that each backward
+            pass sends the reconstruction error at every anchor to (without
+            ``anchor_every``, the input is stored and the error of the whole
+            stack is reported). See :mod:`revnet.drift`.
           name: Name of the module.
 
         Raises:
           TypeError: If ``block_fn`` is neither a callable nor a list of
-            callables, ``num_layers`` is not an integer (a bool or a float), or
-            ``reversible`` is not a bool.
+            callables, ``num_layers`` or ``anchor_every`` is not an integer (a
+            bool or a float), ``reversible`` is not a bool, or ``drift`` is
+            not a ``revnet.DriftMonitor``.
           ValueError: If ``num_layers`` is missing, not positive, or given with a
-            list of block functions.
+            list of block functions; if ``anchor_every`` is not positive, or
+            given (or ``drift``) with a list of block functions.
         """
         check_name(type(self), name)
         super().__init__(name=name)
         module = self.module_name
         self.reversible = check_bool(module, "reversible", reversible)
+        self.anchor_every = (
+            None
+            if anchor_every is None
+            else check_int(module, "anchor_every", anchor_every)
+        )
+        self.drift = check_monitor(module, "drift", drift)
+        if not callable(block_fn) and (anchor_every is not None or drift is not None):
+            raise ValueError(
+                f"{module}: anchor_every and drift need a single block_fn stacked "
+                "num_layers times; a list of block functions is unrolled and has no "
+                "anchors."
+            )
         if callable(block_fn):
             if num_layers is None:
                 raise ValueError(
@@ -164,11 +192,14 @@ class ReversibleSequence(hk.Module):
         # for running the same blocks another way, such as a plain-Haiku loop.
         self.block_fns = (block_fn,) if self._stacked else tuple(block_fns)
 
-    def _stack(self, x: Any, args: tuple, kwargs: dict) -> Callable[..., Any]:
+    def _stack(
+        self, x: Any, args: tuple, kwargs: dict, anchored: bool = False
+    ) -> Callable[..., Any]:
         """The pure function ``h -> (y, new_states)`` of the whole stack.
 
         It closes over the parameters, the state and one RNG key per layer,
-        fetched (or created, at init) here.
+        fetched (or created, at init) here. ``anchored``: the layers run in a
+        :func:`revnet.scan` with this module's anchors, a custom VJP of its own.
         """
         module = self.module_name
         check_input(module, x, min_rank=1, expected="[batch, ...]")
@@ -185,13 +216,24 @@ class ReversibleSequence(hk.Module):
         if self._stacked:
             (layer,), (stacked_params,), (stacked_state,) = layers, params, states
 
-            def stack(h):
-                def body(h, per_layer):
-                    return layer(*per_layer, h)
+            def body(h, per_layer):
+                return layer(*per_layer, h)
 
-                h, new_state = jax.lax.scan(
-                    body, h, (stacked_params, stacked_state, keys)
-                )
+            body.__name__ = module
+
+            def stack(h):
+                per_layer = (stacked_params, stacked_state, keys)
+                if anchored:
+                    h, new_state = revnet.scan(
+                        body,
+                        h,
+                        per_layer,
+                        invert=True,
+                        anchor_every=self.anchor_every,
+                        drift=self.drift,
+                    )
+                else:
+                    h, new_state = jax.lax.scan(body, h, per_layer)
                 return h, (new_state,)
 
         else:
@@ -209,8 +251,11 @@ class ReversibleSequence(hk.Module):
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """Applies the blocks to ``x``; extra arguments go to ``block_fn``."""
-        stack = self._stack(x, args, kwargs)
-        if self.reversible:
+        anchored = self.reversible and (
+            self.anchor_every is not None or self.drift is not None
+        )
+        stack = self._stack(x, args, kwargs, anchored)
+        if self.reversible and not anchored:
             stack = revnet.invertible(stack)
         y, new_states = stack(x)
         for fn, state in zip(self._lifted, new_states, strict=True):

@@ -68,7 +68,8 @@ def additive(h: jax.Array) -> jax.Array:
 
 
 def affine(h: jax.Array) -> jax.Array:
-    return blocks.AffineCoupling(mlp([16, h.shape[-1]]))(h)
+    # Random output layers: at zero initialisation every block is the identity.
+    return blocks.AffineCoupling(mlp([16, h.shape[-1]]), zero_init=False)(h)
 
 
 def permuted_affine(h: jax.Array) -> jax.Array:
@@ -124,7 +125,7 @@ ENTRIES = [
     Entry("additive_coupling_alone", lambda rev: _coupling(), (3, 2, 6), False, False),
     Entry(
         "affine_coupling_alone",
-        lambda rev: blocks.AffineCoupling(mlp([8, 6])),
+        lambda rev: blocks.AffineCoupling(mlp([8, 6]), zero_init=False),
         (3, 6),
         has_twin=False,
     ),

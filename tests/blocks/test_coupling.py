@@ -6,23 +6,27 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from revnet import blocks
 from tests.blocks.descriptors import additive, mlp
 
+SCALES = [{}, {"scale": "tanh", "scale_bound": 1.5}, {"scale": "exp"}]
 
-def test_affine_log_det_matches_jacobian():
+
+@pytest.mark.parametrize("scale", SCALES, ids=["sigmoid", "tanh", "exp"])
+def test_affine_log_det_matches_jacobian(scale):
     model = hk.transform(
         lambda x: blocks.AffineCoupling(
-            mlp([16, 6]), scale_bound=1.5
+            mlp([16, 6]), zero_init=False, **scale
         ).forward_and_log_det(x)
     )
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 6))
     params = model.init(jax.random.PRNGKey(0), x)
-    # Large output weights make the log-scales hit the soft bound.
-    params = jax.tree.map(lambda p: 4 * p, params)
+    # Large output weights make the scales reach their bounds.
+    params = jax.tree.map(lambda p: (4 if scale else 8) * p, params)
     _, log_det = model.apply(params, None, x)
     for i in range(x.shape[0]):
         single = lambda v: model.apply(params, None, v[None])[0][0]  # noqa: E731
@@ -39,7 +43,9 @@ def test_affine_log_scale_is_softly_bounded(bound, magnitude):
         return jnp.concatenate([raw, jnp.zeros_like(h)], axis=-1)
 
     model = hk.transform(
-        lambda x: blocks.AffineCoupling(net, scale_bound=bound).forward_and_log_det(x)
+        lambda x: blocks.AffineCoupling(
+            net, scale="tanh", scale_bound=bound
+        ).forward_and_log_det(x)
     )
     x = jnp.ones([1, 4])
     _, log_det = model.apply({}, None, x)
@@ -47,6 +53,41 @@ def test_affine_log_scale_is_softly_bounded(bound, magnitude):
     assert 0 <= per_channel <= bound
     expected = bound * np.tanh(magnitude / bound)
     np.testing.assert_allclose(per_channel, expected, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=6)
+@given(magnitude=st.floats(-100.0, 100.0))
+def test_affine_default_scale_stays_between_half_and_three_halves(magnitude):
+    def net(h):
+        raw = jnp.full(h.shape, magnitude)
+        return jnp.concatenate([raw, jnp.zeros_like(h)], axis=-1)
+
+    model = hk.transform(lambda x: blocks.AffineCoupling(net)(x))
+    x = jnp.ones([1, 4])
+    y = model.apply({}, None, x)
+    scale = y[0, 2:]  # x2 = 1 and shift 0: y2 is the scale itself
+    np.testing.assert_allclose(scale, 0.5 + 1 / (1 + np.exp(-magnitude)), rtol=1e-6)
+    assert np.all((0.5 <= scale) & (scale <= 1.5))
+
+
+def test_affine_zero_init_starts_at_the_identity():
+    def make(**kw):
+        return hk.transform(lambda x: blocks.AffineCoupling(mlp([8, 4]), **kw)(x))
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+    params = make().init(jax.random.PRNGKey(0), x)
+    # The output layer (created last) is zero; the hidden layer is not.
+    out, hidden = (
+        "affine_coupling/~/net/mlp/~/linear_1",
+        "affine_coupling/~/net/mlp/~/linear_0",
+    )
+    assert all(not np.any(v) for v in params[out].values())
+    assert np.any(params[hidden]["w"])
+    np.testing.assert_array_equal(make().apply(params, None, x), x)
+    random = make(zero_init=False).init(jax.random.PRNGKey(0), x)
+    np.testing.assert_array_equal(random[hidden]["w"], params[hidden]["w"])
+    assert np.any(random[out]["w"])
+    assert not np.allclose(make().apply(random, None, x), x)
 
 
 @settings(max_examples=3)
@@ -70,11 +111,11 @@ def test_deep_additive_round_trip(depth, batch, half, seed):
     assert depth == 0 or not np.allclose(y, x)
 
 
-def affine_round_trip_error(depth: int, scale_bound: float | None) -> float:
+def affine_round_trip_error(depth: int, **scale) -> float:
     def fwd(x):
         def coupling(h):
             net = mlp([16, h.shape[-1]])
-            h = blocks.AffineCoupling(net, scale_bound=scale_bound)(h)
+            h = blocks.AffineCoupling(net, zero_init=False, **scale)(h)
             return blocks.ChannelPermutation()(h)
 
         seq = blocks.ReversibleSequence(coupling, depth)
@@ -91,8 +132,8 @@ def affine_round_trip_error(depth: int, scale_bound: float | None) -> float:
 
 def test_affine_stack_inverts_in_float32():
     """32 permuted affine couplings at initialisation invert to 1e-3."""
-    bounded = affine_round_trip_error(32, 2.0)
-    assert bounded <= 1e-3
+    assert affine_round_trip_error(32, scale="tanh", scale_bound=2.0) <= 1e-3
+    assert affine_round_trip_error(32) <= 1e-3
 
 
 def test_coupling_parameters_are_named_by_role():

@@ -162,6 +162,46 @@ ARGUMENT_CASES = [
     ),
     (
         "reversible_sequence",
+        lambda: _seq(anchor_every=0),
+        ValueError,
+        "anchor_every",
+        "0",
+        "positive",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(anchor_every=-4),
+        ValueError,
+        "anchor_every",
+        "-4",
+        "positive",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(anchor_every=2.0),
+        TypeError,
+        "anchor_every",
+        "2.0",
+        "integer",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(anchor_every=True),
+        TypeError,
+        "anchor_every",
+        "True",
+        "integer",
+    ),
+    (
+        "reversible_sequence",
+        lambda: _seq(drift="monitor"),
+        TypeError,
+        "drift",
+        "'monitor'",
+        "revnet.DriftMonitor",
+    ),
+    (
+        "reversible_sequence",
         lambda: _seq(reversible="no"),
         TypeError,
         "reversible",
@@ -255,6 +295,38 @@ ARGUMENT_CASES = [
         "scale_bound",
         "inf",
         "finite",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale="softplus"),
+        ValueError,
+        "scale",
+        "'softplus'",
+        "'sigmoid' or 'tanh' or 'exp'",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale=2.0),
+        TypeError,
+        "scale",
+        "2.0",
+        "'sigmoid'",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, scale_bound=2.0),
+        ValueError,
+        "scale_bound",
+        "2.0 with scale='sigmoid'",
+        "unless scale='tanh'",
+    ),
+    (
+        "affine_coupling",
+        lambda: blocks.AffineCoupling(_F, zero_init=1),
+        TypeError,
+        "zero_init",
+        "1",
+        "bool",
     ),
     (
         "affine_coupling",
@@ -534,7 +606,10 @@ def test_numpy_arguments_are_accepted():
         )
         return blocks.ChannelPermutation(seed=np.uint32(7))(
             blocks.AffineCoupling(
-                mlp([4, 4]), scale_bound=np.float32(1.5), compute_dtype="float32"
+                mlp([4, 4]),
+                scale="tanh",
+                scale_bound=np.float32(1.5),
+                compute_dtype="float32",
             )(seq(x))
         )
 

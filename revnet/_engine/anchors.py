@@ -1,0 +1,128 @@
+"""Anchors: carries stored every ``k`` steps of a loop that is run backwards.
+
+A reversed scan rebuilds each carry from the next one by inversion, so the
+rounding error of every step is carried into all the steps before it. With
+anchors, the forward pass also stores the carry before every ``k``-th step
+(``ceil(length / k)`` carries, the initial one included). The backward pass
+still rebuilds carries by inversion, but before running the step in front of
+an anchor it measures how far the rebuilt carry is from the stored one (the
+*drift*) and continues from the stored one. Reconstruction error therefore
+accumulates over at most ``k`` steps, for ``O(length / k)`` carries of memory
+and no extra body evaluation.
+
+Steps are counted in the order the loop runs them (``i``), which is the
+reverse of the ``xs`` index ``t`` when the scan runs in reverse. The drift of
+anchor ``j`` is the relative L2 distance, over the carry's floating-point
+leaves, between the carry the backward pass rebuilt at step ``j * k`` (from
+the exact carry at step ``min((j + 1) * k, length)``) and the stored one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from revnet._engine.cotangents import is_float
+
+
+class Anchors(NamedTuple):
+    """The anchors of one scan, as its backward pass reads them.
+
+    Attributes:
+      every: the number of steps between anchors.
+      carries: one stacked array per carry leaf, ``[count(length, every), ...]``.
+      report: None, or a function called (through ``jax.debug.callback``)
+        with the drift at each anchor, in the order the loop runs.
+    """
+
+    every: int
+    carries: Sequence[Any]
+    report: Callable[[Any], None] | None = None
+
+
+def count(length: int, every: int) -> int:
+    """The number of anchors of a loop of ``length`` steps."""
+    return -(-length // every)
+
+
+def empty(carry: Sequence[Any], length: int, every: int) -> list:
+    """Zero buffers for the anchors of ``carry``."""
+    n = count(length, every)
+    return [jnp.zeros((n, *jnp.shape(c)), jnp.result_type(c)) for c in carry]
+
+
+def keep(buffers: Sequence[Any], carry: Sequence[Any], i: Any, every: int) -> list:
+    """``buffers`` with ``carry`` written at anchor ``i // every`` when ``i`` is
+    a multiple of ``every`` (the carry is the one before step ``i``)."""
+    slot, at = i // every, i % every == 0
+    return [
+        lax.dynamic_update_index_in_dim(
+            b,
+            jnp.where(at, c, lax.dynamic_index_in_dim(b, slot, keepdims=False)),
+            slot,
+            0,
+        )
+        for b, c in zip(buffers, carry)
+    ]
+
+
+def restore(
+    anchors: Anchors, rebuilt: Sequence[Any], i: Any, drift: Any
+) -> tuple[list, Any]:
+    """The carry to continue from before step ``i``, and the drift so far.
+
+    Args:
+      anchors: the stored carries.
+      rebuilt: the carry before step ``i``, as the backward pass rebuilt it.
+      i: the step (in the order the loop runs).
+      drift: None, or the drift at each anchor measured so far.
+
+    Returns:
+      ``(carry, drift)``: where ``i`` is a multiple of ``anchors.every``, the
+      stored anchor, with its distance from ``rebuilt`` written into
+      ``drift``; elsewhere ``rebuilt`` and ``drift`` unchanged.
+    """
+    slot, at = i // anchors.every, i % anchors.every == 0
+    stored = [
+        lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in anchors.carries
+    ]
+    carry = [jnp.where(at, s, r) for s, r in zip(stored, rebuilt)]
+    if drift is not None:
+        d = jnp.where(at, relative_distance(rebuilt, stored), drift[slot])
+        drift = lax.dynamic_update_index_in_dim(drift, d, slot, 0)
+    return carry, drift
+
+
+def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
+    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0)."""
+    pairs = [
+        (jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), y)
+        for x, y in zip(a, b)
+        if is_float(x)
+    ]
+    if not pairs:
+        return jnp.float32(0.0)
+    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))) for x, y in pairs)
+    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))) for x, y in pairs)
+    value = jnp.where(
+        den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
+    )
+    return value.astype(jnp.float32)
+
+
+def start(anchors: Anchors, length: int) -> tuple[Any, Any]:
+    """The backward pass's first step number and empty drift readings."""
+    drift = None
+    if anchors.report is not None:
+        drift = jnp.zeros((count(length, anchors.every),), jnp.float32)
+    return jnp.int32(length - 1), drift
+
+
+def report(anchors: Anchors, drift: Any) -> None:
+    """Sends the drift at each anchor to the report, if there is one."""
+    if anchors.report is not None:
+        jax.debug.callback(anchors.report, drift)

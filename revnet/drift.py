@@ -1,0 +1,178 @@
+"""Drift monitor: how far a reversible backward pass's rebuilt carries are off.
+
+A reversible backward pass rebuilds each layer's input from its output, and in
+floating point every step adds rounding error that all earlier steps inherit.
+With anchors (``anchor_every=k`` in :func:`revnet.scan` and
+:class:`revnet.blocks.ReversibleSequence`) the forward pass stores the carry
+every ``k`` steps, and the backward pass continues from each stored carry, so
+error accumulates over at most ``k`` steps. At each anchor the backward pass
+has both the carry it rebuilt and the stored one; their relative L2 distance
+is the *drift* over that segment, the reconstruction error that the gradients
+of the segment's steps were computed with.
+
+A :class:`DriftMonitor` passed as ``drift=`` receives those distances from
+every backward pass, through one ``jax.debug.callback`` at the end of it, and
+may warn or raise when one exceeds a tolerance. It works under ``jit``,
+``vmap`` and sharded programs::
+
+    monitor = revnet.DriftMonitor(tolerance=1e-3)
+    def loss(params, x):
+        seq = ReversibleSequence(block, 128, anchor_every=16, drift=monitor)
+        return jnp.sum(seq(x) ** 2)
+    grads = jax.jit(jax.grad(hk.transform(loss).apply))(params, None, x)
+    monitor.latest  # drift at each of the 8 anchors, first step first
+
+Cost: with a monitor, one L2 distance over the carry per anchor (a few
+elementwise operations on ``ceil(depth / k)`` carries, next to the body's
+VJP at every step) and one host callback, a synchronisation point, per
+backward pass. Without ``anchor_every``, a monitored loop stores its initial
+carry (one carry of memory) and reports the reconstruction error of the whole
+loop. Without a monitor nothing is measured. The monitor is bound when the
+function is traced: a jitted function keeps reporting to the monitor it was
+traced with. Loops that checkpoint (:func:`revnet.scan` with ``invert=False``
+or a body that is not invertible) recompute exactly and report nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from revnet._engine import show
+
+__all__ = ["DriftError", "DriftMonitor", "DriftReading", "DriftWarning"]
+
+
+class DriftError(RuntimeError):
+    """A reversible backward pass rebuilt a carry further off than allowed."""
+
+
+class DriftWarning(RuntimeWarning):
+    """A reversible backward pass rebuilt a carry further off than allowed."""
+
+
+class DriftReading(NamedTuple):
+    """The drift of one backward pass of one loop.
+
+    Attributes:
+      source: the loop (its body's name, or the module's name).
+      drift: relative reconstruction error at each anchor, first step first.
+        Under ``vmap`` each element's backward pass sends its own reading.
+    """
+
+    source: str
+    drift: np.ndarray
+
+
+class DriftMonitor:
+    """Receives the drift of anchored reversible backward passes.
+
+    Example::
+
+        monitor = revnet.DriftMonitor(tolerance=1e-2, on_exceed="raise")
+        ys = revnet.scan(step, x, weights, anchor_every=8, drift=monitor)
+    """
+
+    def __init__(self, tolerance: float | None = None, on_exceed: str = "warn"):
+        """Constructs the monitor.
+
+        Args:
+          tolerance: None, or the largest relative reconstruction error allowed
+            at an anchor; a larger (or non-finite) one warns or raises.
+          on_exceed: ``"warn"`` (a :class:`DriftWarning`) or ``"raise"`` (a
+            :class:`DriftError`, raised where the backward pass's result is
+            read: by ``jax.grad`` itself in eager code, by the jitted call or
+            ``block_until_ready`` under ``jit``, there wrapped in JAX's
+            runtime error).
+
+        Raises:
+          TypeError: If ``tolerance`` is not a number or None.
+          ValueError: If ``tolerance`` is not positive and finite, or
+            ``on_exceed`` is neither ``"warn"`` nor ``"raise"``.
+        """
+        if tolerance is not None:
+            if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
+                raise TypeError(
+                    "DriftMonitor: tolerance must be a positive number or None, "
+                    f"got {tolerance!r}"
+                )
+            if not (math.isfinite(tolerance) and tolerance > 0):
+                raise ValueError(
+                    "DriftMonitor: tolerance must be positive and finite, "
+                    f"got {tolerance!r}"
+                )
+            tolerance = float(tolerance)
+        if on_exceed not in ("warn", "raise"):
+            raise ValueError(
+                f"DriftMonitor: on_exceed must be 'warn' or 'raise', got {on_exceed!r}"
+            )
+        self.tolerance = tolerance
+        self.on_exceed = on_exceed
+        self._readings: list[DriftReading] = []
+        self._lock = threading.Lock()
+
+    @property
+    def readings(self) -> list[DriftReading]:
+        """Every reading so far, oldest first."""
+        with self._lock:
+            return list(self._readings)
+
+    @property
+    def latest(self) -> np.ndarray | None:
+        """The drift at each anchor of the latest backward pass, or None."""
+        with self._lock:
+            return self._readings[-1].drift if self._readings else None
+
+    def max(self) -> float:
+        """The largest drift seen so far (0.0 before any reading)."""
+        with self._lock:
+            values = [np.max(r.drift, initial=0.0) for r in self._readings]
+        return float(max(values, default=0.0))
+
+    def clear(self) -> None:
+        """Forgets the readings."""
+        with self._lock:
+            self._readings.clear()
+
+    def reporter(self, source: str):
+        """The function a loop named ``source`` reports its drift to."""
+
+        def report(drift: Any) -> None:
+            self._record(source, np.asarray(drift))
+
+        return report
+
+    def _record(self, source: str, drift: np.ndarray) -> None:
+        with self._lock:
+            self._readings.append(DriftReading(source, drift))
+        if self.tolerance is None or drift.size == 0:
+            return
+        bad = ~(drift <= self.tolerance)  # non-finite drift counts as too large
+        if not bad.any():
+            return
+        worst = np.unravel_index(
+            np.argmax(np.where(np.isfinite(drift), drift, np.inf)), drift.shape
+        )
+        message = (
+            f"revnet: reconstruction drift {float(drift[worst]):.3g} at anchor "
+            f"{worst[-1]} of {source} exceeds the tolerance {self.tolerance:g}; "
+            "store anchors more often (a smaller anchor_every) or use a "
+            "better-conditioned block"
+        )
+        if self.on_exceed == "raise":
+            raise DriftError(message)
+        warnings.warn(message, DriftWarning, stacklevel=2)
+
+
+def check_monitor(fname: str, drift: Any) -> DriftMonitor | None:
+    """``drift`` if it is a :class:`DriftMonitor` or None; else a TypeError."""
+    if drift is None or isinstance(drift, DriftMonitor):
+        return drift
+    raise TypeError(
+        f"{fname}: drift must be a revnet.DriftMonitor or None, got {show(drift)}"
+    )

@@ -1,0 +1,286 @@
+"""Anchors and the drift monitor in ``revnet.scan``.
+
+With ``anchor_every=k`` the forward pass stores the carry before every
+``k``-th step and the backward pass continues from each stored carry. The
+gradients are those of the same loop (checked elementwise against
+``jax.grad`` of ``lax.scan``, float32 and float64, every input and closed-over
+parameter); the drift monitor's readings are checked against reconstruction
+errors measured independently (each segment inverted on its own with
+``revnet.inverse``); memory is read from compiled programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import revnet
+from tests.helpers import assert_trees_close
+
+RTOL = {jnp.float32: 2e-5, jnp.float64: 1e-10}
+N = 11
+
+
+def _weights(dtype, n=N, d=4, gain=0.9, seed=0):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    w = gain * jax.random.normal(k1, (n, 2, d, d)) / np.sqrt(d)
+    return w.astype(dtype), (0.1 * jax.random.normal(k2, (d,))).astype(dtype)
+
+
+def _coupling(b, c, w):
+    """One additive coupling step: invertible in the carry ``c = (x1, x2)``."""
+    x1, x2 = c
+    x1 = x1 + jnp.tanh(x2 @ w[0] + b)
+    x2 = x2 + jnp.tanh(x1 @ w[1])
+    return (x1, x2), jnp.sum(x1 * x2, axis=-1)
+
+
+def _contracting(b, c, w):
+    """An invertible step whose inverse amplifies rounding error 4x a step."""
+    x1, x2 = c
+    x1 = x1 + jnp.tanh(x2 @ w[0] + b)
+    x2 = 0.25 * x2 + jnp.tanh(x1 @ w[1])
+    return (x1, x2), jnp.sum(x1 * x2, axis=-1)
+
+
+def _carry(dtype, batch=(3,), d=4, seed=1):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return (
+        jax.random.normal(k1, (*batch, d)).astype(dtype),
+        jax.random.normal(k2, (*batch, d)).astype(dtype),
+    )
+
+
+def _loss(scan_fn, w, b, c, step=_coupling, **kw):
+    (x1, x2), ys = scan_fn(functools.partial(step, b), c, w, **kw)
+    return jnp.sum(jnp.sin(x1) * x2) + jnp.sum(jnp.cos(ys))
+
+
+def _grads(scan_fn, w, b, c, **kw):
+    loss = functools.partial(_loss, scan_fn, **kw)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(w, b, c)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("every", [1, 3, 4, N, 20])
+def test_anchored_gradients_equal_plain_autodiff(every, reverse, dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        w, b = _weights(dtype)
+        c = _carry(dtype)
+        monitor = revnet.DriftMonitor()
+        got = jax.jit(
+            lambda w, b, c: _grads(
+                revnet.scan, w, b, c, reverse=reverse, anchor_every=every, drift=monitor
+            )
+        )(w, b, c)
+        want = _grads(lax.scan, w, b, c, reverse=reverse)
+        assert_trees_close(got, want, RTOL[dtype], f"anchor_every={every}")
+        jax.effects_barrier()
+        assert monitor.latest.shape == (-(-N // every),)
+
+
+def _leapfrog_max(p, c, x):
+    """Partly invertible: ``(q, v)`` can be rebuilt, the running maximum not."""
+    q, v, top = c
+    v = v - 0.5 * x * jnp.tanh(q @ p)
+    q = q + x * v
+    v = v - 0.5 * x * jnp.tanh(q @ p)
+    return (q, v, jnp.maximum(top, jnp.max(jnp.abs(q), axis=-1))), jnp.sum(q)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_anchors_compose_with_stored_leaves(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        p = _weights(dtype)[0][0, 0]
+        q, v = _carry(dtype)
+        xs = jnp.linspace(0.1, 0.3, 9).astype(dtype)
+
+        def loss(scan_fn, p, q, v, **kw):
+            c = (q, v, jnp.zeros(q.shape[:-1], dtype))
+            (q, v, top), ys = scan_fn(functools.partial(_leapfrog_max, p), c, xs, **kw)
+            return jnp.sum(q * v) + jnp.sum(top) + jnp.sum(jnp.sin(ys))
+
+        got = jax.jit(
+            jax.grad(functools.partial(loss, revnet.scan, anchor_every=4), (0, 1, 2))
+        )(p, q, v)
+        want = jax.grad(functools.partial(loss, lax.scan), (0, 1, 2))(p, q, v)
+        assert_trees_close(got, want, RTOL[dtype], "stored and anchored")
+
+
+def test_anchors_under_vmap_and_checkpointing():
+    w, b = _weights(jnp.float32)
+    c = _carry(jnp.float32, batch=(5, 3))
+    monitor = revnet.DriftMonitor()
+
+    def per_element(scan_fn, w, b, c, **kw):
+        return _loss(scan_fn, w, b, c, **kw)
+
+    def batched(scan_fn, **kw):
+        def f(w, b, c):
+            one = functools.partial(per_element, scan_fn, w, b, **kw)
+            return jnp.sum(jax.vmap(one)(c))
+
+        return jax.grad(f, argnums=(0, 1, 2))
+
+    want = batched(lax.scan)(w, b, c)
+    got = jax.jit(batched(revnet.scan, anchor_every=4, drift=monitor))(w, b, c)
+    assert_trees_close(got, want, RTOL[jnp.float32], "vmap")
+    jax.effects_barrier()
+    # jax.debug.callback runs once per element under vmap: one reading each.
+    assert [r.drift.shape for r in monitor.readings] == [(3,)] * 5
+    # A checkpointed loop recomputes exactly: anchors are not used, nothing is
+    # reported, and the gradients are the same.
+    monitor.clear()
+    got = jax.jit(batched(revnet.scan, anchor_every=4, drift=monitor, invert=False))(
+        w, b, c
+    )
+    assert_trees_close(got, want, RTOL[jnp.float32], "checkpointed")
+    jax.effects_barrier()
+    assert monitor.readings == []
+
+
+# --------------------------------------------------------------------------- #
+# The drift monitor against reconstruction errors measured independently.
+
+
+def _segment_errors(w, b, c, every, reverse=False):
+    """Rebuilds each segment's first carry from its exact last one, alone."""
+    n = len(w)
+    order = np.arange(n)[::-1] if reverse else np.arange(n)
+    step = functools.partial(_contracting, b)
+    carries = [c]
+    for t in order:
+        carries.append(step(carries[-1], w[t])[0])
+    errors = []
+    for lo in range(0, n, every):
+        hi = min(lo + every, n)
+        seg = w[order[lo:hi]]
+
+        def run(c, seg=seg):
+            return lax.scan(step, c, seg)[0]
+
+        (rebuilt,) = revnet.inverse(run, carries[lo])(carries[hi])
+        exact = carries[lo]
+        num = sum(float(jnp.sum((r - e) ** 2)) for r, e in zip(rebuilt, exact))
+        den = sum(float(jnp.sum(e**2)) for e in exact)
+        errors.append(np.sqrt(num / den))
+    return np.array(errors)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("every, n", [(4, 12), (6, 12), (None, 6)])
+def test_drift_readings_match_the_reconstruction_error(every, n, reverse):
+    w, b = _weights(jnp.float32, n=n)
+    c = _carry(jnp.float32)
+    monitor = revnet.DriftMonitor()
+    kw = dict(reverse=reverse, anchor_every=every, drift=monitor, step=_contracting)
+    jax.jit(lambda w, b, c: _grads(revnet.scan, w, b, c, **kw))(w, b, c)
+    jax.effects_barrier()
+    got = monitor.latest
+    want = _segment_errors(w, b, c, every or n, reverse)
+    # Real drift, many times float32's rounding.
+    assert want.min() > 8 * np.finfo(np.float32).eps, want
+    np.testing.assert_allclose(got, want, rtol=0.1)
+    (reading,) = monitor.readings
+    assert reading.source == "revnet.scan(_contracting)"
+
+
+def _ill_conditioned(monitor, **kw):
+    """A stack whose inverse amplifies rounding error enormously."""
+    w, b = _weights(jnp.float32, n=40)
+    c = _carry(jnp.float32)
+    kw = dict(drift=monitor, step=_contracting, **kw)
+    return jax.jit(lambda w, b, c: _grads(revnet.scan, w, b, c, **kw))(w, b, c)
+
+
+def test_a_planted_ill_conditioned_stack_warns():
+    monitor = revnet.DriftMonitor(tolerance=1e-3)
+    with pytest.warns(revnet.DriftWarning, match=r"exceeds the tolerance 0\.001"):
+        jax.block_until_ready(_ill_conditioned(monitor))
+        jax.effects_barrier()
+    assert monitor.max() > 1e-3
+    # With anchors every step nothing drifts far enough to warn.
+    quiet = revnet.DriftMonitor(tolerance=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", revnet.DriftWarning)
+        jax.block_until_ready(_ill_conditioned(quiet, anchor_every=1))
+        jax.effects_barrier()
+    assert 0 < quiet.max() < 1e-3
+
+
+def test_a_planted_ill_conditioned_stack_raises():
+    monitor = revnet.DriftMonitor(tolerance=1e-3, on_exceed="raise")
+    with pytest.raises(
+        (revnet.DriftError, jax.errors.JaxRuntimeError),
+        match=r"reconstruction drift .* at anchor 0 of revnet.scan\(_contracting\) "
+        r"exceeds the tolerance 0\.001",
+    ):
+        jax.block_until_ready(_ill_conditioned(monitor))
+        jax.effects_barrier()
+
+
+# --------------------------------------------------------------------------- #
+# Memory: anchors are the only thing that grows with the number of steps.
+
+
+def _temp(n, every, d=256):
+    w, b = _weights(jnp.float32, n=n, d=d)
+    c = _carry(jnp.float32, batch=(32,), d=d)
+    grad = jax.grad(functools.partial(_loss, revnet.scan, anchor_every=every), (0, 2))
+    compiled = jax.jit(grad).lower(w, b, c).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_anchor_memory_grows_by_one_carry_per_anchor():
+    carry = 2 * 32 * 256 * 4  # bytes of (x1, x2)
+    # Without anchors only the outputs ys (32 floats a step) grow with steps.
+    plain = _temp(256, None) - _temp(64, None)
+    assert plain == 192 * 32 * 4, plain
+    assert plain < carry
+    # Anchors add one carry each: 48 more (16 -> 64 with every 4), 6 with 32.
+    assert _temp(256, 4) - _temp(64, 4) - plain == 48 * carry
+    assert _temp(256, 32) - _temp(64, 32) - plain == 6 * carry
+
+
+# --------------------------------------------------------------------------- #
+# Bad arguments: one line each.
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (0, ValueError, "anchor_every must be at least 1, got 0"),
+        (-3, ValueError, "anchor_every must be at least 1, got -3"),
+        (2.5, TypeError, "anchor_every must be a positive integer"),
+        (True, TypeError, "anchor_every must be a positive integer"),
+        ("4", TypeError, "anchor_every must be a positive integer"),
+    ],
+)
+def test_bad_anchor_every(bad, error, words):
+    w, b = _weights(jnp.float32)
+    with pytest.raises(error) as info:
+        _loss(revnet.scan, w, b, _carry(jnp.float32), anchor_every=bad)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("scan: ") and words in message
+
+
+def test_bad_drift_arguments():
+    w, b = _weights(jnp.float32)
+    with pytest.raises(TypeError, match=r"^scan: drift must be a revnet\.Drift"):
+        _loss(revnet.scan, w, b, _carry(jnp.float32), drift=print)
+    for kw, error in [
+        (dict(tolerance=0.0), ValueError),
+        (dict(tolerance=float("nan")), ValueError),
+        (dict(tolerance="1e-3"), TypeError),
+        (dict(on_exceed="log"), ValueError),
+    ]:
+        with pytest.raises(error, match="^DriftMonitor: ") as info:
+            revnet.DriftMonitor(**kw)
+        assert "\n" not in str(info.value)
