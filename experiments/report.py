@@ -322,7 +322,15 @@ def numerics_section(res: dict[str, Any], out: str) -> str:
         _image(out, "numerics"),
         "",
         _table(
-            ["coupling", "depth", "dtype", "reconstruction", "grad rev", "grad std"],
+            [
+                "coupling",
+                "depth",
+                "dtype",
+                "reconstruction",
+                "grad rev",
+                "grad std",
+                "memory rev / std",
+            ],
             [
                 [
                     r["coupling"],
@@ -331,8 +339,44 @@ def numerics_section(res: dict[str, Any], out: str) -> str:
                     r["reconstruction_rel_error"],
                     r["grad_rel_error_reversible"],
                     r["grad_rel_error_standard"],
+                    r.get("temp_vs_standard"),
                 ]
                 for r in res["rows"]
+            ],
+        ),
+        "",
+        "With anchors (`anchor_every=k`): the reversible gradient error, the "
+        "backward pass's activation memory relative to standard backprop's "
+        "(compiled `temp_size_in_bytes`, float32), and the drift monitor's "
+        "largest reading next to the largest reconstruction error at an anchor "
+        "measured independently (each segment inverted on its own).",
+        "",
+        _table(
+            [
+                "coupling",
+                "depth",
+                "dtype",
+                "k",
+                "grad rev",
+                "grad std",
+                "memory / std",
+                "drift read",
+                "drift true",
+            ],
+            [
+                [
+                    r["coupling"],
+                    r["depth"],
+                    r["dtype"],
+                    int(k),
+                    a["grad_rel_error"],
+                    r["grad_rel_error_standard"],
+                    a["temp_vs_standard"],
+                    a["drift_max"],
+                    a["true_drift_max"],
+                ]
+                for r in res["rows"]
+                for k, a in r.get("anchored", {}).items()
             ],
         ),
         "",

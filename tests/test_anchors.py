@@ -284,3 +284,24 @@ def test_bad_drift_arguments():
         with pytest.raises(error, match="^DriftMonitor: ") as info:
             revnet.DriftMonitor(**kw)
         assert "\n" not in str(info.value)
+
+
+def test_anchored_scan_inside_invertible_is_inverted_by_the_outer_function():
+    w, b = _weights(jnp.float32)
+    monitor = revnet.DriftMonitor()
+
+    def inner(x1, x2):
+        step = functools.partial(_coupling, b)
+        return revnet.scan(step, (x1, x2), w, anchor_every=2, drift=monitor)[0]
+
+    def plain(x1, x2):
+        return lax.scan(functools.partial(_coupling, b), (x1, x2), w)[0]
+
+    def loss(f):
+        return lambda x1, x2: sum(jnp.sum(jnp.sin(y)) for y in f(x1, x2))
+
+    c = _carry(jnp.float32)
+    got = jax.jit(jax.grad(loss(revnet.invertible(inner)), (0, 1)))(*c)
+    assert_trees_close(got, jax.grad(loss(plain), (0, 1))(*c), RTOL[jnp.float32])
+    jax.effects_barrier()
+    assert monitor.readings == []  # the outer function's backward has no anchors

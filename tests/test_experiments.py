@@ -160,11 +160,27 @@ def test_numerics_tiny(tmp_path):
             "grad_rel_error_standard",
         ):
             assert key in row
+    assert {r["coupling"] for r in rows} == {"additive", "affine_default"}
     f64 = [r for r in rows if r["dtype"] == "float64" and r["coupling"] == "additive"]
     assert max(r["reconstruction_rel_error"] for r in f64) < 1e-10
     f32 = [r for r in rows if r["dtype"] == "float32" and r["coupling"] == "additive"]
     assert max(r["grad_rel_error_reversible"] for r in f32) < 1e-4
     assert res["limits"]["additive"]["float64"]["all_measured_depths_ok"]
+    for row in rows:
+        assert sorted(row["anchored"]) == ["16", "4"]
+        float32 = row["dtype"] == "float32"
+        assert (row["temp_vs_standard"] is not None) == float32
+        for k, a in row["anchored"].items():
+            # One reading per anchor, equal to the independently measured error.
+            assert len(a["drift_readings"]) == -(-row["depth"] // int(k))
+            np.testing.assert_allclose(
+                a["drift_readings"], a["true_drift"], rtol=0.1, atol=1e-12
+            )
+            assert (a["temp_vs_standard"] is not None) == float32
+    deep = [r for r in f32 if r["depth"] == 16]
+    # Anchors every 4 layers hold more than none and less than backprop.
+    assert deep[0]["temp_vs_standard"] < deep[0]["anchored"]["4"]["temp_vs_standard"]
+    assert deep[0]["anchored"]["4"]["temp_vs_standard"] < 1
     assert "![numerics](numerics.png)" in report_text(tmp_path)
 
 

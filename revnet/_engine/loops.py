@@ -70,8 +70,18 @@ def scan_function(
       report: with anchors, None or a function given the drift at each
         anchor (through ``jax.debug.callback``) by every backward pass.
     """
+    forward = _cached_scan_forward(sp, mode.stored, None)
     if mode.kind == CHECKPOINT:
-        anchor_every = None
+        return _checkpointed_scan(sp, forward, slots)
+    # The primal function has no anchors: it is what an enclosing
+    # ``@invertible`` sees (and inverts), and what a call without a VJP runs.
+    anchored = forward
+    if anchor_every is not None:
+        anchored = _cached_scan_forward(sp, mode.stored, anchor_every)
+    return _make_scan(sp, mode, forward, anchored, anchor_every, report)
+
+
+def _cached_scan_forward(sp: ScanParams, stored, every: int | None):
     key = (
         "scan",
         fingerprint.primal(sp.body.jaxpr),
@@ -80,16 +90,14 @@ def scan_function(
         sp.length,
         sp.reverse,
         repr(sp.unroll),
-        mode.stored,
-        anchor_every,
+        stored,
+        every,
     )
     forward = _FORWARDS.get(key)
     if forward is None:
-        forward = _scan_forward(sp, mode.stored, anchor_every)
+        forward = _scan_forward(sp, stored, every)
         _FORWARDS.put(key, forward)
-    if mode.kind == CHECKPOINT:
-        return _checkpointed_scan(sp, forward, slots)
-    return _make_scan(sp, mode, forward, anchor_every, report)
+    return forward
 
 
 def while_function(
@@ -169,13 +177,15 @@ def _scan_forward(sp: ScanParams, stored, every: int | None):
             c, bufs, i = state
             out = eval_body(sp.body, *consts, *c, *x)
             if every is not None:
-                bufs = anc.keep(bufs, c, i, every)
-            return (out[:nc], bufs, i + 1), (out[nc:], _kept(c, stored))
+                bufs, i = anc.keep(bufs, c, i, every), i + 1
+            return (out[:nc], bufs, i), (out[nc:], _kept(c, stored))
 
-        bufs = [] if every is None else anc.empty(init, sp.length, every)
+        bufs, i = [], None
+        if every is not None:
+            bufs, i = anc.empty(init, sp.length, every), jnp.int32(0)
         (final, bufs, _), out = lax.scan(
             body,
-            (list(init), bufs, jnp.int32(0)),
+            (list(init), bufs, i),
             list(xs),
             length=sp.length,
             reverse=sp.reverse,
@@ -300,8 +310,14 @@ def _scan_avals(sp: ScanParams):
     return k_avals, c_avals, x_avals
 
 
-def _make_scan(sp: ScanParams, mode: Mode, forward, every: int | None, report):
-    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``."""
+def _make_scan(
+    sp: ScanParams, mode: Mode, forward, anchored, every: int | None, report
+):
+    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``.
+
+    ``forward`` runs the primal function; ``anchored`` the forward pass of a
+    differentiated call, which also stores anchors every ``every`` steps.
+    """
     nk, nc = sp.num_consts, sp.num_carry
     k_avals, c_avals, x_avals = _scan_avals(sp)
     known_xs = (True,) * len(x_avals)
@@ -314,7 +330,7 @@ def _make_scan(sp: ScanParams, mode: Mode, forward, every: int | None, report):
         return final, ys
 
     def fwd(consts, init, xs):
-        final, (ys, bufs), kept = forward(consts, init, xs)
+        final, (ys, bufs), kept = anchored(consts, init, xs)
         return (final, ys), (consts, xs, final, ys, bufs, kept)
 
     def bwd(res, cts):

@@ -244,3 +244,24 @@ def check_monitor(module: str, arg: str, value: Any) -> Any:
     if value is not None and not isinstance(value, DriftMonitor):
         raise _fail(module, arg, value, "a revnet.DriftMonitor or None")
     return value
+
+
+def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
+    """Checks ``anchor_every`` (None or a positive integer) and ``drift``.
+
+    Returns:
+      ``{"anchor_every": ..., "drift": ...}``, the keyword arguments of
+      :class:`~revnet.blocks.ReversibleSequence` (``anchor_every`` as a
+      Python int or None).
+
+    Raises:
+      TypeError: If ``anchor_every`` is not an integer or ``drift`` not a
+        ``revnet.DriftMonitor``.
+      ValueError: If ``anchor_every`` is not positive.
+    """
+    if anchor_every is not None:
+        anchor_every = check_int(module, "anchor_every", anchor_every)
+    return {
+        "anchor_every": anchor_every,
+        "drift": check_monitor(module, "drift", drift),
+    }

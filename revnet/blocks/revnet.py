@@ -19,7 +19,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+import revnet
 from revnet.blocks._checks import (
+    check_anchors,
     check_bool,
     check_float_dtype,
     check_input,
@@ -249,6 +251,8 @@ class RevNet(hk.Module):
         num_classes: int,
         reversible: bool = True,
         compute_dtype: Any = None,
+        anchor_every: int | None = None,
+        drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
     ):
         """Constructs the network.
@@ -261,6 +265,11 @@ class RevNet(hk.Module):
             backprop (the honest baseline).
           compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) of the residual
             functions; the residual stream stays in the input's dtype.
+          anchor_every: None, or store the stream every ``anchor_every``
+            units of each stage, so that reconstruction error accumulates
+            over at most that many units (see :class:`ReversibleSequence`).
+          drift: None, or a :class:`revnet.DriftMonitor` that receives the
+            reconstruction error at each anchor of each stage.
           name: Name of the module.
 
         Raises:
@@ -285,6 +294,7 @@ class RevNet(hk.Module):
         num_classes = check_int(module, "num_classes", num_classes)
         reversible = check_bool(module, "reversible", reversible)
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        anchors = check_anchors(module, anchor_every, drift)
         if len(config.channels) != len(config.units) + 1:
             raise ValueError(
                 f"{module}: channels needs one entry for the initial "
@@ -322,7 +332,7 @@ class RevNet(hk.Module):
 
             self._stages.append(
                 ReversibleSequence(
-                    unit, units, reversible=reversible, name=f"stage_{i}"
+                    unit, units, reversible=reversible, name=f"stage_{i}", **anchors
                 )
             )
             width = stage_width

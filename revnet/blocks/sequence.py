@@ -31,11 +31,11 @@ import numpy as np
 
 import revnet
 from revnet.blocks._checks import (
+    check_anchors,
     check_bool,
     check_callable,
     check_input,
     check_int,
-    check_monitor,
     check_name,
     show,
 )
@@ -146,12 +146,8 @@ class ReversibleSequence(hk.Module):
         super().__init__(name=name)
         module = self.module_name
         self.reversible = check_bool(module, "reversible", reversible)
-        self.anchor_every = (
-            None
-            if anchor_every is None
-            else check_int(module, "anchor_every", anchor_every)
-        )
-        self.drift = check_monitor(module, "drift", drift)
+        anchors = check_anchors(module, anchor_every, drift)
+        self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
         if not callable(block_fn) and (anchor_every is not None or drift is not None):
             raise ValueError(
                 f"{module}: anchor_every and drift need a single block_fn stacked "

@@ -14,7 +14,9 @@ from typing import Any
 import haiku as hk
 import jax
 
+import revnet
 from revnet.blocks._checks import (
+    check_anchors,
     check_bool,
     check_float_dtype,
     check_input,
@@ -62,6 +64,8 @@ class ReversibleTransformer(hk.Module):
         dropout_rate: float = 0.0,
         reversible: bool = True,
         compute_dtype: Any = None,
+        anchor_every: int | None = None,
+        drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
     ):
         """Constructs the encoder.
@@ -77,6 +81,11 @@ class ReversibleTransformer(hk.Module):
             backprop (the honest baseline).
           compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) of the residual
             functions; the residual stream stays in the input's dtype.
+          anchor_every: None, or store the stream every ``anchor_every``
+            layers, so that reconstruction error accumulates
+            over at most that many layers (see :class:`ReversibleSequence`).
+          drift: None, or a :class:`revnet.DriftMonitor` that receives the
+            reconstruction error at each anchor.
           name: Name of the module.
 
         Raises:
@@ -100,6 +109,7 @@ class ReversibleTransformer(hk.Module):
         )
         reversible = check_bool(module, "reversible", reversible)
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        anchors = check_anchors(module, anchor_every, drift)
         if model_size % 2 or (model_size // 2) % num_heads:
             raise ValueError(
                 f"{self.module_name}: model_size must be even and model_size // 2 "
@@ -133,7 +143,7 @@ class ReversibleTransformer(hk.Module):
             )(x)
 
         self._layers = ReversibleSequence(
-            layer, num_layers, reversible=reversible, name="layers"
+            layer, num_layers, reversible=reversible, name="layers", **anchors
         )
 
     def _check(self, x: Any) -> None:

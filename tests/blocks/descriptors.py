@@ -122,6 +122,20 @@ ENTRIES = [
         (2, 5, 8),
         training=True,
     ),
+    Entry(
+        "revnet_tiny_anchored",
+        lambda rev: blocks.RevNet(REVNET_ONE_STAGE, 5, reversible=rev, anchor_every=1),
+        (2, 8, 8, 3),
+        training=True,
+    ),
+    Entry(
+        "transformer_anchored",
+        lambda rev: blocks.ReversibleTransformer(
+            3, 2, 8, 16, dropout_rate=0.2, reversible=rev, anchor_every=2
+        ),
+        (2, 5, 8),
+        training=True,
+    ),
     Entry("additive_coupling_alone", lambda rev: _coupling(), (3, 2, 6), False, False),
     Entry(
         "affine_coupling_alone",

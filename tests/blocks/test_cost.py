@@ -36,6 +36,15 @@ def sequence(depth: int, reversible: bool):
     )
 
 
+def anchored(depth: int, reversible: bool):
+    # Anchors every 4 layers; the twin is the same standard backprop.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            wide_additive, depth, reversible=reversible, anchor_every=4
+        )(x)
+    )
+
+
 def revnet(depth: int, reversible: bool):
     # Two stages of depth // 2 units each, and one non-reversible transition.
     config = blocks.RevNetConfig((depth // 2, depth // 2), (8, 8, 16))
@@ -64,6 +73,7 @@ def transformer(depth: int, reversible: bool):
 
 SHAPES = {
     sequence: (256, 64),
+    anchored: (256, 64),
     revnet: (8, 8, 8, 3),
     chain: (256, 64),
     transformer: (8, 64, 64),
@@ -109,7 +119,14 @@ def flop_ratio(model, depth):
     return rev / std
 
 
-@pytest.mark.parametrize("model", [sequence, revnet, transformer])
+def test_anchors_add_one_activation_each():
+    activation = 256 * 64 * 4
+    growth = temp(anchored, 64, True) - temp(anchored, 4, True)
+    assert growth == (64 // 4 - 4 // 4) * activation, growth
+    assert temp(anchored, 64, True) * 4 <= temp(anchored, 64, False)
+
+
+@pytest.mark.parametrize("model", [sequence, anchored, revnet, transformer])
 def test_reversible_flops_within_limit(model):
     ratio = flop_ratio(model, 4)
     print(f"{model.__name__}: FLOP ratio {ratio:.3f}")
