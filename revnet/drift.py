@@ -20,6 +20,7 @@ may warn or raise when one exceeds a tolerance. It works under ``jit``,
         seq = ReversibleSequence(block, 128, anchor_every=16, drift=monitor)
         return jnp.sum(seq(x) ** 2)
     grads = jax.jit(jax.grad(hk.transform(loss).apply))(params, None, x)
+    jax.effects_barrier()  # host callbacks run asynchronously
     monitor.latest  # drift at each of the 8 anchors, first step first
 
 Cost: with a monitor, one L2 distance over the carry per anchor (a few
@@ -29,8 +30,10 @@ backward pass. Without ``anchor_every``, a monitored loop stores its initial
 carry (one carry of memory) and reports the reconstruction error of the whole
 loop. Without a monitor nothing is measured. The monitor is bound when the
 function is traced: a jitted function keeps reporting to the monitor it was
-traced with. Loops that checkpoint (:func:`revnet.scan` with ``invert=False``
-or a body that is not invertible) recompute exactly and report nothing.
+traced with. Readings arrive asynchronously, as the compiled program runs:
+``jax.effects_barrier()`` waits for them. Loops that checkpoint
+(:func:`revnet.scan` with ``invert=False`` or a body that is not invertible)
+recompute exactly and report nothing.
 """
 
 from __future__ import annotations
