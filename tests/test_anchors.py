@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 
 import revnet
@@ -84,6 +86,26 @@ def test_anchored_gradients_equal_plain_autodiff(every, reverse, dtype):
         assert_trees_close(got, want, RTOL[dtype], f"anchor_every={every}")
         jax.effects_barrier()
         assert monitor.latest.shape == (-(-N // every),)
+
+
+@settings(max_examples=6)
+@given(
+    n=st.integers(1, 20),
+    every=st.integers(1, 24),
+    reverse=st.booleans(),
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_anchored_gradients_for_drawn_lengths(n, every, reverse, batch, seed):
+    w, b = _weights(jnp.float32, n=n, seed=seed)
+    c = _carry(jnp.float32, batch=(batch,), seed=seed + 1)
+    monitor = revnet.DriftMonitor()
+    kw = dict(reverse=reverse, anchor_every=every, drift=monitor)
+    got = jax.jit(lambda w, b, c: _grads(revnet.scan, w, b, c, **kw))(w, b, c)
+    want = _grads(lax.scan, w, b, c, reverse=reverse)
+    assert_trees_close(got, want, RTOL[jnp.float32], f"n={n}, every={every}")
+    jax.effects_barrier()
+    assert monitor.latest.shape == (-(-n // every),)
 
 
 def _leapfrog_max(p, c, x):
@@ -305,3 +327,46 @@ def test_anchored_scan_inside_invertible_is_inverted_by_the_outer_function():
     assert_trees_close(got, jax.grad(loss(plain), (0, 1))(*c), RTOL[jnp.float32])
     jax.effects_barrier()
     assert monitor.readings == []  # the outer function's backward has no anchors
+
+
+def _counted(b, c, w):
+    """``_coupling`` with an integer step counter in the carry."""
+    (x1, x2), y = _coupling(b, c[:2], w)
+    return (x1, x2, c[2] + 1), y
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(unroll=3), dict(unroll=True), dict(reverse=True, unroll=2)]
+)
+def test_anchors_with_unroll_and_an_integer_leaf(kw):
+    w, b = _weights(jnp.float32)
+    x1, x2 = _carry(jnp.float32)
+
+    def loss(scan_fn, w, b, x1, x2, **extra):
+        c = (x1, x2, jnp.int32(0))
+        (x1, x2, n), ys = scan_fn(functools.partial(_counted, b), c, w, **kw, **extra)
+        return jnp.sum(jnp.sin(x1) * x2) + jnp.sum(jnp.cos(ys)) + n
+
+    monitor = revnet.DriftMonitor()
+    anchored = functools.partial(loss, revnet.scan, anchor_every=3, drift=monitor)
+    got = jax.jit(jax.value_and_grad(anchored, (0, 1, 2, 3)))(w, b, x1, x2)
+    want = jax.value_and_grad(functools.partial(loss, lax.scan), (0, 1, 2, 3))(
+        w, b, x1, x2
+    )
+    assert_trees_close(got, want, RTOL[jnp.float32], str(kw))
+    jax.effects_barrier()
+    assert monitor.latest.shape == (-(-N // 3),)
+
+
+def test_anchors_in_a_loop_of_no_steps():
+    monitor = revnet.DriftMonitor()
+
+    def loss(x):
+        step = lambda c, _: (2.0 * c, None)  # noqa: E731
+        out = revnet.scan(step, x, None, length=0, anchor_every=2, drift=monitor)[0]
+        return jnp.sum(jnp.sin(out))
+
+    x = _carry(jnp.float32)[0]
+    np.testing.assert_allclose(jax.grad(loss)(x), jnp.cos(x))
+    jax.effects_barrier()
+    assert monitor.readings == []

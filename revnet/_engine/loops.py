@@ -76,8 +76,10 @@ def scan_function(
     # The primal function has no anchors: it is what an enclosing
     # ``@invertible`` sees (and inverts), and what a call without a VJP runs.
     anchored = forward
-    if anchor_every is not None:
+    if anchor_every is not None and sp.length > 0:
         anchored = _cached_scan_forward(sp, mode.stored, anchor_every)
+    else:
+        anchor_every = None  # nothing to anchor in a loop of no steps
     return _make_scan(sp, mode, forward, anchored, anchor_every, report)
 
 
