@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "rerun to resume)",
     )
     parser.add_argument(
+        "--anchor-every",
+        type=common.positive_int,
+        default=None,
+        help="store the reversible twin's activations every this many units of "
+        "each stage (anchors; default: none)",
+    )
+    parser.add_argument(
         "--save-grads",
         action="store_true",
         help="also write <out>/train_grads.npz, the first step's gradients",
@@ -133,7 +140,9 @@ def load_digits_split(seed: int) -> dict[str, Any]:
 def _config_hash(config: dict[str, Any]) -> str:
     keys = ("epochs", "batch", "lr", "units", "width", "seed", "num_devices")
     keys += ("control",)
-    text = json.dumps({k: config[k] for k in keys}, sort_keys=True)
+    # Anchors change only rounding, but a resumed run must not mix the two.
+    extra = {"anchor_every": config["anchor_every"]} if config["anchor_every"] else {}
+    text = json.dumps({**{k: config[k] for k in keys}, **extra}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -255,9 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def make(reversible: bool):
         def forward(x, is_training):
-            return RevNet(net_config, num_classes=10, reversible=reversible)(
-                x, is_training
-            )
+            anchors = args.anchor_every if reversible else None
+            return RevNet(
+                net_config, num_classes=10, reversible=reversible, anchor_every=anchors
+            )(x, is_training)
 
         return hk.transform_with_state(forward)
 
@@ -344,6 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "num_devices": n_dev,
         "control": args.control,
+        "anchor_every": args.anchor_every,
     }
     config_hash = _config_hash(config)
     ckpt_path = os.path.join(args.out, CHECKPOINT)

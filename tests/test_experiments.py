@@ -256,14 +256,18 @@ def test_train_data_parallel_matches_single_device(single_device_run, tmp_path):
     out, _, single = single_device_run
     flags = "--xla_force_host_platform_device_count=8"
     # Same schedule as the single-device run; one epoch (the warm-up), after
-    # which the training dynamics amplify float32 noise in either run.
+    # which the training dynamics amplify float32 noise in either run. The
+    # 8-device reversible twin also stores anchors (every unit): they change
+    # nothing but rounding.
     multi = run_ok(
         "train",
         tmp_path,
         *("--epochs", TRAIN_EPOCHS, "--stop-after", "1", "--save-grads"),
+        *("--anchor-every", "1"),
         env={"XLA_FLAGS": flags},
     )
     assert multi["num_devices"] == 8 and single["num_devices"] == 1
+    assert multi["config"]["anchor_every"] == 1
     steps = multi["steps_per_epoch"]
     for twin in ("reversible", "standard"):
         np.testing.assert_allclose(
