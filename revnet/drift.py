@@ -145,8 +145,8 @@ class DriftMonitor:
     def reporter(self, source: str):
         """The function a loop named ``source`` reports its drift to."""
 
-        def report(drift: Any) -> None:
-            self._record(source, np.asarray(drift))
+        def report(drift: Any, used: Any) -> None:
+            self._record(source, np.asarray(drift)[: int(used)])
 
         return report
 

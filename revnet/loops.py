@@ -254,6 +254,8 @@ def while_loop(
     max_steps: int | None = None,
     checkpoints: int | None = None,
     invert: bool | None = None,
+    anchor_every: int | None = None,
+    drift: DriftMonitor | None = None,
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -304,6 +306,10 @@ def while_loop(
       invert: None (the default) picks the mode by the rule above; True
         requires the whole carry to be rebuilt by inversion; False
         checkpoints even an invertible body (for ill-conditioned inverses).
+      anchor_every: as in :func:`scan` (needs ``max_steps``: room is made
+        for ``ceil(max_steps / anchor_every)`` carries).
+      drift: as in :func:`scan`; without ``anchor_every`` the initial carry is
+        stored and the whole loop's reconstruction error reported.
 
     Returns:
       The final carry, with the structure of ``init_val``.
@@ -317,13 +323,25 @@ def while_loop(
         one), ``invert`` is not None or a bool, ``cond_fun`` does not return a
         boolean scalar, ``body_fun`` changes the carry's type, or forward-mode
         differentiation reaches the loop.
-      ValueError: when ``max_steps`` is negative or ``checkpoints`` is below 1.
+      ValueError: when ``max_steps`` is negative, ``checkpoints`` or
+        ``anchor_every`` is below 1, or ``anchor_every`` is given without
+        ``max_steps``.
     """
     _check_callable("while_loop", "cond_fun", cond_fun)
     _check_callable("while_loop", "body_fun", body_fun)
     bound = _check_max_steps(max_steps)
     slots = _check_checkpoints("while_loop", checkpoints, bound)
     invert = _check_invert("while_loop", invert)
+    anchor_every = _check_anchor_every("while_loop", anchor_every)
+    drift = check_monitor("while_loop", drift)
+    if anchor_every is not None and bound is None:
+        raise ValueError(
+            "while_loop: anchor_every needs max_steps (room for the anchors is "
+            f"made for max_steps steps), got anchor_every={anchor_every} and "
+            "max_steps=None"
+        )
+    if drift is not None and anchor_every is None:
+        anchor_every = _INT32_MAX if bound is None else max(bound, 1)
     bname = _name(body_fun, "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     out_tree_box: list = []
@@ -357,8 +375,17 @@ def while_loop(
         invert,
         lambda stuck: not_invertible(stuck, paths, nk, bname),
     )
+    report = None if drift is None else drift.reporter(f"revnet.while_loop({bname})")
     run = while_function(
-        body_jaxpr, cond_jaxpr, mode, nk, bound, slots, _BACKWARD_STEP_HOOKS
+        body_jaxpr,
+        cond_jaxpr,
+        mode,
+        nk,
+        bound,
+        slots,
+        _BACKWARD_STEP_HOOKS,
+        anchor_every,
+        report,
     )
     final = _call("while_loop", run, list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)

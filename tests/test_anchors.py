@@ -370,3 +370,85 @@ def test_anchors_in_a_loop_of_no_steps():
     np.testing.assert_allclose(jax.grad(loss)(x), jnp.cos(x))
     jax.effects_barrier()
     assert monitor.readings == []
+
+
+# --------------------------------------------------------------------------- #
+# while_loop: anchors for the steps taken, room for max_steps.
+
+
+def _while_loss(w, b, c, n, step=_contracting, **kw):
+    def body(s):
+        (x1, x2), _ = step(b, s[:2], w)
+        return x1, x2, s[2] + 1
+
+    x1, x2, _ = revnet.while_loop(lambda s: s[2] < n, body, (*c, 0), **kw)
+    return jnp.sum(jnp.sin(x1) * x2)
+
+
+def _while_ref(w, b, c, n, step=_contracting):
+    for _ in range(n):
+        c, _ = step(b, c, w)
+    return jnp.sum(jnp.sin(c[0]) * c[1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_while_loop_anchors_follow_the_steps_taken(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        w, b = _weights(dtype, n=1)
+        w = w[0]
+        c = _carry(dtype)
+        monitor = revnet.DriftMonitor()
+        kw = dict(max_steps=50, anchor_every=3, drift=monitor, step=_coupling)
+        loss = functools.partial(_while_loss, n=7, **kw)
+        got = jax.jit(jax.grad(loss, (0, 1, 2)))(w, b, c)
+        want = jax.grad(functools.partial(_while_ref, step=_coupling), (0, 1, 2))(
+            w, b, c, 7
+        )
+        assert_trees_close(got, want, RTOL[dtype], "while_loop anchors")
+        jax.effects_barrier()
+    assert monitor.latest.shape == (3,)  # ceil(7 / 3) anchors of the 17 made
+
+
+def test_while_loop_drift_matches_the_reconstruction_error():
+    w, b = _weights(jnp.float32, n=1)
+    c, n = _carry(jnp.float32), 15
+    monitor = revnet.DriftMonitor()
+    kw = dict(n=n, max_steps=40, anchor_every=5, drift=monitor)
+    jax.jit(jax.grad(functools.partial(_while_loss, **kw), (0, 2)))(w[0], b, c)
+    jax.effects_barrier()
+    want = _segment_errors(jnp.stack([w[0]] * n), b, c, 5)
+    assert want.min() > 8 * np.finfo(np.float32).eps, want
+    np.testing.assert_allclose(monitor.latest, want, rtol=0.1)
+    assert monitor.readings[-1].source == "revnet.while_loop(body)"
+
+
+def test_while_loop_anchors_under_vmap_with_per_element_trip_counts():
+    w, b = _weights(jnp.float32, n=1)
+    c = _carry(jnp.float32, batch=(4, 3))
+    stops = jnp.array([5, 0, 9, 2])
+    monitor = revnet.DriftMonitor()
+
+    def loss(w, c, **kw):
+        one = lambda c, n: _while_loss(w, b, c, n, step=_coupling, **kw)  # noqa: E731
+        return jnp.sum(jax.vmap(one)(c, stops))
+
+    got = jax.jit(
+        jax.grad(functools.partial(loss, max_steps=16, anchor_every=4, drift=monitor))
+    )(w[0], c)
+
+    def ref(w, c):
+        return sum(
+            _while_ref(w, b, tuple(a[e] for a in c), int(stops[e]), step=_coupling)
+            for e in range(4)
+        )
+
+    assert_trees_close(got, jax.grad(ref)(w[0], c), RTOL[jnp.float32])
+    jax.effects_barrier()
+    # One reading per element, one entry per anchor it used.
+    assert sorted(r.drift.shape for r in monitor.readings) == [(0,), (1,), (2,), (3,)]
+
+
+def test_while_loop_anchor_every_needs_max_steps():
+    w, b = _weights(jnp.float32, n=1)
+    with pytest.raises(ValueError, match="^while_loop: anchor_every needs max_steps"):
+        _while_loss(w[0], b, _carry(jnp.float32), 3, anchor_every=2)

@@ -36,12 +36,14 @@ class Anchors(NamedTuple):
       every: the number of steps between anchors.
       carries: one stacked array per carry leaf, ``[count(length, every), ...]``.
       report: None, or a function called (through ``jax.debug.callback``)
-        with the drift at each anchor, in the order the loop runs.
+        with the drift at each anchor, in the order the loop runs, and the
+        number of anchors the loop used (a while loop's buffer has room for
+        ``max_steps`` steps).
     """
 
     every: int
     carries: Sequence[Any]
-    report: Callable[[Any], None] | None = None
+    report: Callable[[Any, Any], None] | None = None
 
 
 def count(length: int, every: int) -> int:
@@ -49,10 +51,14 @@ def count(length: int, every: int) -> int:
     return -(-length // every)
 
 
-def empty(carry: Sequence[Any], length: int, every: int) -> list:
-    """Zero buffers for the anchors of ``carry``."""
-    n = count(length, every)
-    return [jnp.zeros((n, *jnp.shape(c)), jnp.result_type(c)) for c in carry]
+def slots(anchors: Anchors) -> int:
+    """The number of anchors the buffers have room for."""
+    return anchors.carries[0].shape[0] if anchors.carries else 0
+
+
+def empty(carry: Sequence[Any], slots: int) -> list:
+    """Zero buffers for ``slots`` anchors of ``carry``."""
+    return [jnp.zeros((slots, *jnp.shape(c)), jnp.result_type(c)) for c in carry]
 
 
 def keep(buffers: Sequence[Any], carry: Sequence[Any], i: Any, every: int) -> list:
@@ -114,15 +120,14 @@ def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
     return value.astype(jnp.float32)
 
 
-def start(anchors: Anchors, length: int) -> tuple[Any, Any]:
-    """The backward pass's first step number and empty drift readings."""
-    drift = None
-    if anchors.report is not None:
-        drift = jnp.zeros((count(length, anchors.every),), jnp.float32)
-    return jnp.int32(length - 1), drift
+def start(anchors: Anchors, slots: int) -> Any:
+    """Empty drift readings for ``slots`` anchors (None without a report)."""
+    if anchors.report is None:
+        return None
+    return jnp.zeros((slots,), jnp.float32)
 
 
-def report(anchors: Anchors, drift: Any) -> None:
-    """Sends the drift at each anchor to the report, if there is one."""
+def report(anchors: Anchors, drift: Any, used: Any) -> None:
+    """Sends the drift at the first ``used`` anchors to the report, if any."""
     if anchors.report is not None:
-        jax.debug.callback(anchors.report, drift)
+        jax.debug.callback(anchors.report, drift, used)

@@ -110,6 +110,8 @@ def while_function(
     bound: int | None,
     slots: int,
     step_hooks: Sequence[Any] = (),
+    anchor_every: int | None = None,
+    report: Any = None,
 ):
     """``run(body_consts, cond_consts, carry) -> carry``, a custom VJP while loop.
 
@@ -121,50 +123,84 @@ def while_function(
       slots: the number of snapshots when checkpointing.
       step_hooks: callbacks given the remaining-step counter of every backward
         iteration at run time (a testing aid; read when the backward is traced).
+      anchor_every: as in :func:`scan_function`; room is made for the anchors
+        of ``bound`` steps (of one step without a bound: the initial carry).
+      report: as in :func:`scan_function`.
     """
+    forward = _cached_while_forward(body_jaxpr, cond_jaxpr, bound, mode.stored, None)
+    if mode.kind == CHECKPOINT:
+        return _checkpointed_while(body_jaxpr, cond_jaxpr, nk, forward, slots)
+    anchored = forward  # as in scan_function: the primal function has none
+    if anchor_every is not None and bound != 0:
+        anchored = _cached_while_forward(
+            body_jaxpr, cond_jaxpr, bound, mode.stored, anchor_every
+        )
+    else:
+        anchor_every = None
+    return _make_while(
+        body_jaxpr,
+        cond_jaxpr,
+        mode,
+        nk,
+        (forward, anchored),
+        step_hooks,
+        anchor_every,
+        report,
+    )
+
+
+def _cached_while_forward(body_jaxpr, cond_jaxpr, bound, stored, every):
     key = (
         "while_loop",
         fingerprint.primal(body_jaxpr),
         fingerprint.primal(cond_jaxpr),
         bound,
-        mode.stored,
+        stored,
+        every,
     )
     forward = _FORWARDS.get(key)
     if forward is None:
         forward = _while_forward(
-            Body(body_jaxpr, ()), Body(cond_jaxpr, ()), bound, mode.stored
+            Body(body_jaxpr, ()), Body(cond_jaxpr, ()), bound, stored, every
         )
         _FORWARDS.put(key, forward)
-    if mode.kind == CHECKPOINT:
-        return _checkpointed_while(body_jaxpr, cond_jaxpr, nk, forward, slots)
-    return _make_while(body_jaxpr, cond_jaxpr, mode, nk, forward, step_hooks)
+    return forward
 
 
 def _kept(carry: Sequence[Any], stored: Sequence[bool]) -> list:
     return [x for x, s in zip(carry, stored) if s]
 
 
-def _while_forward(body: Body, cond: Body, bound: int | None, stored):
-    """``forward(bk, ck, carry) -> (steps, final, stored leaves)``, jitted."""
+def _while_forward(
+    body: Body, cond: Body, bound: int | None, stored, every: int | None
+):
+    """``forward(bk, ck, carry) -> (steps, final, stored leaves, anchors)``,
+    jitted; ``anchors`` is empty unless ``every`` is given."""
 
     def forward(bk, ck, carry):
         def go(state):
-            n, c, _ = state
+            n, c, _, _ = state
             p = eval_body(cond, *ck, *c)[0]
             return p if bound is None else jnp.logical_and(p, n < bound)
 
         def step(state):
-            n, c, bufs = state
+            n, c, bufs, kept = state
             bufs = [
                 lax.dynamic_update_index_in_dim(b, x, n, 0)
                 for b, x in zip(bufs, _kept(c, stored))
             ]
-            return n + 1, eval_body(body, *bk, *c), bufs
+            if every is not None:
+                kept = anc.keep(kept, c, n, every)
+            return n + 1, eval_body(body, *bk, *c), bufs, kept
 
         bufs = [
             jnp.zeros((bound, *jnp.shape(x)), x.dtype) for x in _kept(carry, stored)
         ]
-        return lax.while_loop(go, step, (jnp.zeros((), jnp.int32), list(carry), bufs))
+        kept = []
+        if every is not None:
+            kept = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
+        state = (jnp.zeros((), jnp.int32), list(carry), bufs, kept)
+        return lax.while_loop(go, step, state)
 
     return jax.jit(forward)
 
@@ -184,7 +220,8 @@ def _scan_forward(sp: ScanParams, stored, every: int | None):
 
         bufs, i = [], None
         if every is not None:
-            bufs, i = anc.empty(init, sp.length, every), jnp.int32(0)
+            bufs = anc.empty(init, anc.count(sp.length, every))
+            i = jnp.int32(0)
         (final, bufs, _), out = lax.scan(
             body,
             (list(init), bufs, i),
@@ -198,8 +235,22 @@ def _scan_forward(sp: ScanParams, stored, every: int | None):
     return jax.jit(forward)
 
 
-def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks):
-    """The custom-VJP function ``run(body_consts, cond_consts, carry) -> carry``."""
+def _make_while(
+    body_jaxpr,
+    cond_jaxpr,
+    mode: Mode,
+    nk: int,
+    forwards,
+    step_hooks,
+    every: int | None,
+    report,
+):
+    """The custom-VJP function ``run(body_consts, cond_consts, carry) -> carry``.
+
+    ``forwards``: the primal forward loop, and the one a differentiated call
+    runs, which also stores anchors every ``every`` steps.
+    """
+    forward, anchored = forwards
     k_avals = _avals(body_jaxpr.invars[:nk])
     c_avals = _avals(body_jaxpr.invars[nk:])
     q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
@@ -210,11 +261,12 @@ def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
-        n, final, bufs = forward(bk, ck, carry)
-        return final, (bk, final, n, bufs)
+        n, final, bufs, kept = anchored(bk, ck, carry)
+        return final, (bk, final, n, bufs, kept)
 
     def bwd(res, cts):
-        bk, final, n, bufs = res
+        bk, final, n, bufs, kept = res
+        anchors = None if every is None else anc.Anchors(every, kept, report)
         hooks = tuple(step_hooks)
 
         def go(state):
@@ -223,7 +275,7 @@ def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks
         messages: list[str] = []
 
         def step(state):
-            m, c, ctc, ctk, bad = state
+            m, c, ctc, ctk, bad, drift = state
             for hook in hooks:
                 jax.debug.callback(hook, m)
             kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
@@ -234,7 +286,10 @@ def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks
             bad = checks.merge(bad, sc, messages)
             in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals)
             ctk = cotangents.add_into(ctk, in_cts[:nk])
-            return m - 1, merge(prev, kept, stored), in_cts[nk:], ctk, bad
+            prev = merge(prev, kept, stored)
+            if anchors is not None:
+                prev, drift = anc.restore(anchors, prev, m - 1, drift)
+            return m - 1, prev, in_cts[nk:], ctk, bad, drift
 
         state = (
             n,
@@ -242,11 +297,14 @@ def _make_while(body_jaxpr, cond_jaxpr, mode: Mode, nk: int, forward, step_hooks
             cotangents.float_or_none(list(cts), c_avals),
             cotangents.float_or_none([None] * nk, k_avals),
             jnp.int32(-1) if checks.enabled() else None,
+            None if anchors is None else anc.start(anchors, anc.slots(anchors)),
         )
         with checks.scope() as top:
-            _, _, ct_init, ct_k, bad = lax.while_loop(go, step, state)
+            _, _, ct_init, ct_k, bad, drift = lax.while_loop(go, step, state)
             checks.record_index(bad, messages)
         checks.raise_if_failed(top)
+        if anchors is not None:
+            anc.report(anchors, drift, jnp.where(n > 0, (n - 1) // every + 1, 0))
         return (
             cotangents.fill(ct_k, k_avals),
             [cotangents.zeros(a) for a in q_avals],
@@ -269,7 +327,7 @@ def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
-        n, final, _ = forward(bk, ck, carry)
+        n, final, _, _ = forward(bk, ck, carry)
         return final, (bk, list(carry), n)
 
     def bwd(res, cts):

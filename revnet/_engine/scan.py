@@ -323,7 +323,12 @@ def reversed_scan(
         ct.float_or_none(out_cts[:ncar], carry_avals),
         ct_consts0,
         jnp.int32(-1) if checking else None,
-        (None, None) if anchors is None else anc.start(anchors, sp.length),
+        (None, None)
+        if anchors is None
+        else (
+            jnp.int32(sp.length - 1),
+            anc.start(anchors, anc.count(sp.length, anchors.every)),
+        ),
     )
     (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = lax.scan(
         body,
@@ -333,7 +338,7 @@ def reversed_scan(
     )
     checks.record_index(bad, messages)
     if anchors is not None:
-        anc.report(anchors, drift)
+        anc.report(anchors, drift, anc.count(sp.length, anchors.every))
     return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
 
 
