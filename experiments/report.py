@@ -392,6 +392,86 @@ def numerics_section(res: dict[str, Any], out: str) -> str:
     return "\n".join(parts)
 
 
+_LOOP_METHODS = {
+    "revnet": "revnet (auto)",
+    "revnet checkpoint": "revnet, `invert=False`",
+    "checkpointed lax.scan": "`jax.checkpoint` + `lax.scan`",
+    "unrolled": "unrolled backprop",
+}
+
+
+def loops_section(res: dict[str, Any], out: str) -> str:
+    """The loops experiment: its three-body comparison as one compact table."""
+    rows = res["comparison"]
+    steps = sorted({r["steps"] for r in rows if r["sweep"] == "steps"})
+    sweep = [r for r in rows if r["sweep"] == "max_steps"]
+    maxes = sorted({r["max_steps"] for r in sweep})
+    (fixed,) = {r["steps"] for r in sweep}
+    by_key = {
+        (r["body"], r["method"], r["sweep"], r["steps"], r["max_steps"]): r
+        for r in rows
+    }
+
+    def cell(body, method, key, points, scale=None):
+        values = []
+        for sweep_name, n, m in points:
+            r = by_key.get((body, method, sweep_name, n, m))
+            value = None if r is None else r[key] if scale is None else r[key] / scale
+            if value is not None and key == "body_evaluations":
+                value = int(value)
+            values.append(_fmt(value))
+        return " / ".join(values)
+
+    at_steps = [("steps", n, n) for n in steps]
+    at_maxes = [("max_steps", fixed, m) for m in (maxes[0], maxes[-1])]
+    last = ("steps", steps[-1], steps[-1])
+    table_rows = []
+    for body in dict.fromkeys(r["body"] for r in rows):
+        base = by_key.get((body, "checkpointed lax.scan", *last))
+        for method, label in _LOOP_METHODS.items():
+            r = by_key.get((body, method, *last))
+            ratio = (
+                None if r is None or base is None else r["median_s"] / base["median_s"]
+            )
+            table_rows.append(
+                [
+                    body,
+                    label,
+                    cell(body, method, "temp_bytes", at_steps, MIB),
+                    cell(body, method, "temp_bytes", at_maxes, MIB),
+                    cell(body, method, "body_evaluations", at_steps),
+                    cell(body, method, "body_evaluations", at_maxes),
+                    ratio,
+                ]
+            )
+    n_text = " / ".join(map(str, steps))
+    m_text = f"n = {fixed}, max_steps {maxes[0]} / {maxes[-1]}"
+    table = _table(
+        [
+            "body",
+            "method",
+            f"temp MiB, n = {n_text}",
+            f"temp MiB, {m_text}",
+            f"body evaluations, n = {n_text}",
+            f"body evaluations, {m_text}",
+            f"time / checkpointed scan's, n = {steps[-1]}",
+        ],
+        table_rows,
+    )
+    rest = generic_section(
+        "loops", {k: v for k, v in res.items() if k != "comparison"}, out
+    )
+    head, _, body_text = rest.partition("\n\n")
+    intro = (
+        "Three bodies (invertible leapfrog, leapfrog with a running maximum, a "
+        "damped map) four ways: compiled temp memory of `jit(grad)`, body "
+        "evaluations per gradient (forward, recomputed and inverted, counted "
+        "by a host callback) and median step time, against steps taken `n` "
+        "(`max_steps = n`) and against `max_steps`."
+    )
+    return "\n\n".join([head, intro, table, body_text])
+
+
 def generic_section(name: str, res: dict[str, Any], out: str) -> str:
     """A section for an experiment this module does not know in detail."""
     parts = [f"## {name} (`experiments.{name}`)", "", _image(out, name), ""]
@@ -448,6 +528,7 @@ def write_report(out: str, runs: Sequence[dict[str, Any]] = ()) -> str:
         "memory": memory_section,
         "train": train_section,
         "numerics": numerics_section,
+        "loops": loops_section,
     }
     sections = []
     machine = None

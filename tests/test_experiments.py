@@ -354,3 +354,43 @@ def test_bad_values_give_one_line_and_exit_2(name, flags, env, tmp_path):
     assert "expected" in lines[0] or "choose from" in lines[0], lines
     value = flags[1].split(",")[-1]
     assert value in lines[0], lines
+
+
+def test_loops_report_has_one_compact_comparison_table(tmp_path):
+    """Rendering only: rows shaped like experiments.loops' comparison."""
+    from experiments import report
+
+    methods = ["revnet", "revnet checkpoint", "checkpointed lax.scan", "unrolled"]
+    rows = []
+    for b, body in enumerate(["invertible", "not invertible"]):
+        for k, method in enumerate(methods):
+            points = [("steps", n, n) for n in (16, 64)]
+            points += [("max_steps", 16, m) for m in (64, 256)]
+            for sweep, n, m in points:
+                if method == "unrolled" and n == 64:
+                    continue  # unrolled only where it fits
+                rows.append(
+                    dict(
+                        body=body,
+                        method=method,
+                        sweep=sweep,
+                        steps=n,
+                        max_steps=m,
+                        temp_bytes=float((b + 1) * (k + 1) * m * 2**20 / 64),
+                        body_evaluations=2 * n + k,
+                        median_s=0.001 * (k + 1),
+                    )
+                )
+    res = {"experiment": "loops", "config": {"seed": 0}, "comparison": rows}
+    text = report.loops_section(res, str(tmp_path))
+    first = text[text.index("| body |") :].split("\n\n")[0]
+    table = [line for line in first.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 2 * 4  # header, then body x method
+    assert "temp MiB, n = 16 / 64" in table[0]
+    assert "body evaluations, n = 16, max_steps 64 / 256" in table[0]
+    # The checkpointed scan is the time baseline; unrolled has no 64-step point.
+    scan = next(line for line in table if "`jax.checkpoint`" in line)
+    assert scan.split("|")[-2].strip() == "1"
+    unrolled = next(line for line in table if "unrolled" in line)
+    assert "35 / —" in unrolled  # 2 * 16 + 3 evaluations at n = 16
+    assert "**config**" in text
