@@ -55,25 +55,21 @@ cotangents of weights shared by the batch are held per element (memory
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from revnet import _loop_args as args
 from revnet._engine import (
     Body,
     ScanParams,
     Stuck,
-    aval,
     leaf_paths,
     modes,
     not_invertible,
-    revolve,
     scan_function,
-    show,
     trace,
     while_function,
 )
@@ -81,157 +77,13 @@ from revnet.drift import DriftMonitor, check_monitor
 
 __all__ = ["scan", "while_loop"]
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 # Testing aid: callbacks given each backward iteration's remaining-step counter.
 _BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
 
 
 # --------------------------------------------------------------------------- #
-# Helpers shared by both loops.
-
-
-def _strong(x: Any) -> jax.Array:
-    """``x`` as an array with a definite (not weak) dtype, as the loop carry."""
-    x = jnp.asarray(x)
-    return jnp.asarray(x, dtype=x.dtype)
-
-
-def _avals(vars_: Any) -> list[Any]:
-    return [aval(v) for v in vars_]
-
-
-def _describe(avals: Any) -> str:
-    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
-
-
-def _check_carry(
-    fname: str, in_tree: Any, out_tree: Any, in_avals: list, out_avals: list
-) -> None:
-    """Raises TypeError unless the body returns a carry of the same type."""
-    if in_tree != out_tree:
-        raise TypeError(
-            f"{fname} must return a carry with the same structure as its input: "
-            f"got {out_tree}, expected {in_tree}"
-        )
-    for a, b in zip(in_avals, out_avals):
-        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            raise TypeError(
-                f"{fname} must return a carry with the same shapes and dtypes as its "
-                f"input: got ({_describe(out_avals)}), expected ({_describe(in_avals)})"
-            )
-
-
-def _name(fun: Any, default: str) -> str:
-    """A function's name for messages, looking through ``functools.partial``."""
-    while not hasattr(fun, "__name__") and hasattr(fun, "func"):
-        fun = fun.func
-    return getattr(fun, "__name__", default)
-
-
-def _check_callable(fname: str, arg: str, fun: Any) -> None:
-    if not callable(fun):
-        raise TypeError(f"{fname}: {arg} must be callable, got {show(fun)}")
-
-
-def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
-    """The initial carry's leaves as arrays of definite (not weak) dtypes.
-
-    ``lax.scan`` and ``lax.while_loop`` let a weakly typed leaf of the initial
-    carry (a Python scalar such as ``0`` or ``1.0``) take the dtype that the
-    body returns for it (``0`` becomes float32 when the body adds a float32 to
-    it), and check the carry's type only after that promotion. This does the
-    same, by one abstract evaluation of ``fun(*leaves, *extra)``, which returns
-    the new carry's leaves, and only when a leaf is weak. When the body returns
-    a carry with another number of leaves nothing is promoted: the carry check
-    that follows reports it.
-    """
-    arrays = [jnp.asarray(x) for x in leaves]
-    if any(getattr(a, "weak_type", False) for a in arrays):
-        out = jax.eval_shape(fun, *arrays, *extra)
-        if len(out) == len(arrays):
-            arrays = [
-                a
-                if not getattr(a, "weak_type", False) or a.dtype == o.dtype
-                else a.astype(jax.dtypes.result_type(a, o))
-                for a, o in zip(arrays, out)
-            ]
-    return [_strong(a) for a in arrays]
-
-
-def _check_max_steps(max_steps: Any) -> int | None:
-    if max_steps is None:
-        return None
-    expected = "a non-negative integer known at trace time (a Python or NumPy integer)"
-    if isinstance(max_steps, (bool, np.bool_)):
-        raise TypeError(f"while_loop: max_steps must be {expected}, got {max_steps!r}")
-    try:
-        bound = operator.index(max_steps)
-    except TypeError:
-        raise TypeError(
-            f"while_loop: max_steps must be {expected}, got {show(max_steps)}"
-        ) from None
-    if bound < 0:
-        raise ValueError(f"while_loop: max_steps must be non-negative, got {bound}")
-    if bound > _INT32_MAX:
-        raise ValueError(
-            f"while_loop: max_steps must be at most {_INT32_MAX}, got {bound}"
-        )
-    return bound
-
-
-def _positive_int(fname: str, arg: str, value: Any) -> int:
-    """``value`` as an int, or a one-line error unless it is a positive integer."""
-    expected = "a positive integer known at trace time, or None"
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{fname}: {arg} must be {expected}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{fname}: {arg} must be {expected}, got {show(value)}"
-        ) from None
-    if n < 1:
-        raise ValueError(f"{fname}: {arg} must be at least 1, got {n}")
-    return n
-
-
-def _check_checkpoints(fname: str, checkpoints: Any, bound: int | None) -> int:
-    """The number of snapshots: ``checkpoints`` checked, or the default."""
-    if checkpoints is None:
-        return revolve.default_slots(bound)
-    n = _positive_int(fname, "checkpoints", checkpoints)
-    # More snapshots than steps are never used.
-    return n if bound is None else max(1, min(n, bound + 1))
-
-
-def _check_anchor_every(fname: str, anchor_every: Any) -> int | None:
-    """``anchor_every`` checked: None or a positive integer."""
-    if anchor_every is None:
-        return None
-    return _positive_int(fname, "anchor_every", anchor_every)
-
-
-def _check_invert(fname: str, invert: Any) -> bool | None:
-    if invert is None or isinstance(invert, (bool, np.bool_)):
-        return None if invert is None else bool(invert)
-    raise TypeError(
-        f"{fname}: invert must be None (automatic), True or False, got {show(invert)}"
-    )
-
-
-def _call(fname: str, run: Callable[..., Any], *args: Any) -> Any:
-    """``run(*args)``, naming revnet's loop when forward mode reaches it."""
-    try:
-        return run(*args)
-    except TypeError as e:
-        if "forward-mode" not in str(e):
-            raise
-        raise TypeError(
-            f"revnet.{fname} is differentiable in reverse mode only (jax.grad, "
-            "jax.vjp, jax.jacrev, and jax.hessian, which is forward-over-reverse); "
-            "forward mode (jax.jvp, jax.jacfwd) was applied to it"
-        ) from None
+# Shared by both loops.
 
 
 def _mode(jaxpr, nk: int, carry: range, bounded: bool, invert, fail) -> Any:
@@ -327,12 +179,12 @@ def while_loop(
         ``anchor_every`` is below 1, or ``anchor_every`` is given without
         ``max_steps``.
     """
-    _check_callable("while_loop", "cond_fun", cond_fun)
-    _check_callable("while_loop", "body_fun", body_fun)
-    bound = _check_max_steps(max_steps)
-    slots = _check_checkpoints("while_loop", checkpoints, bound)
-    invert = _check_invert("while_loop", invert)
-    anchor_every = _check_anchor_every("while_loop", anchor_every)
+    args.check_callable("while_loop", "cond_fun", cond_fun)
+    args.check_callable("while_loop", "body_fun", body_fun)
+    bound = args.check_max_steps(max_steps)
+    slots = args.check_checkpoints("while_loop", checkpoints, bound)
+    invert = args.check_invert("while_loop", invert)
+    anchor_every = args.check_anchor_every("while_loop", anchor_every)
     drift = check_monitor("while_loop", drift)
     if anchor_every is not None and bound is None:
         raise ValueError(
@@ -341,8 +193,8 @@ def while_loop(
             "max_steps=None"
         )
     if drift is not None and anchor_every is None:
-        anchor_every = _INT32_MAX if bound is None else max(bound, 1)
-    bname = _name(body_fun, "body_fun")
+        anchor_every = args.INT32_MAX if bound is None else max(bound, 1)
+    bname = args.name(body_fun, "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     out_tree_box: list = []
 
@@ -355,16 +207,18 @@ def while_loop(
     def flat_cond(*carry):
         return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
 
-    leaves = _promoted_carry(flat_body, leaves, [])
+    leaves = args.promoted_carry(flat_body, leaves, [])
     body_jaxpr, body_consts, _ = trace(flat_body, leaves)
     nk = len(body_consts)
-    carry_avals = _avals(body_jaxpr.invars[nk:])
-    _check_carry(bname, tree, out_tree_box[-1], carry_avals, _avals(body_jaxpr.outvars))
+    carry_avals = args.avals(body_jaxpr.invars[nk:])
+    args.check_carry(
+        bname, tree, out_tree_box[-1], carry_avals, args.avals(body_jaxpr.outvars)
+    )
     cond_jaxpr, cond_consts, _ = trace(flat_cond, leaves)
-    pred = _avals(cond_jaxpr.outvars)
+    pred = args.avals(cond_jaxpr.outvars)
     if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
         raise TypeError(
-            f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
+            f"cond_fun must return a boolean scalar, got ({args.describe(pred)})"
         )
     paths = leaf_paths("init_val", init_val)
     mode = _mode(
@@ -387,73 +241,12 @@ def while_loop(
         anchor_every,
         report,
     )
-    final = _call("while_loop", run, list(body_consts), list(cond_consts), leaves)
+    final = args.call("while_loop", run, list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
 
 
 # --------------------------------------------------------------------------- #
 # scan.
-
-
-def _check_length(length: Any) -> int | None:
-    if length is None:
-        return None
-    expected = "a non-negative integer known at trace time (a Python or NumPy integer)"
-    if isinstance(length, (bool, np.bool_)):
-        raise TypeError(f"scan: length must be {expected}, got {length!r}")
-    try:
-        n = operator.index(length)
-    except TypeError:
-        raise TypeError(
-            f"scan: length must be {expected}, got {show(length)}"
-        ) from None
-    if n < 0:
-        raise ValueError(f"scan: length must be non-negative, got {n}")
-    return n
-
-
-def _check_reverse(reverse: Any) -> bool:
-    if not isinstance(reverse, (bool, np.bool_)):
-        raise TypeError(
-            "scan: reverse must be a bool known at trace time (True or False), got "
-            f"{show(reverse)}"
-        )
-    return bool(reverse)
-
-
-def _check_unroll(unroll: Any) -> int | bool:
-    """``unroll`` as ``lax.scan`` takes it: a bool or a non-negative int."""
-    expected = "a bool or a non-negative integer known at trace time"
-    if isinstance(unroll, (bool, np.bool_)):
-        return bool(unroll)
-    try:
-        u = operator.index(unroll)
-    except TypeError:
-        raise TypeError(
-            f"scan: unroll must be {expected}, got {show(unroll)}"
-        ) from None
-    if u < 0:
-        raise ValueError(f"scan: unroll must be {expected}, got {u}")
-    return u
-
-
-def _scan_length(xs_leaves: list, length: int | None) -> int:
-    if any(np.ndim(x) == 0 for x in xs_leaves):
-        raise ValueError(
-            "scan got a scalar in xs; every leaf of xs needs a leading "
-            "axis to scan over"
-        )
-    lengths = {int(np.shape(x)[0]) for x in xs_leaves}
-    if length is not None:
-        lengths.add(length)
-    if len(lengths) > 1:
-        raise ValueError(
-            "scan got inconsistent lengths: the leading axes of xs and length give "
-            f"{sorted(lengths)}"
-        )
-    if not lengths:
-        raise ValueError("scan needs xs with a leading axis or an explicit length")
-    return lengths.pop()
 
 
 def scan(
@@ -541,19 +334,19 @@ def scan(
         is given, when ``length`` or ``unroll`` is negative, or when
         ``checkpoints`` or ``anchor_every`` is below 1.
     """
-    _check_callable("scan", "f", f)
-    length = _check_length(length)
-    reverse = _check_reverse(reverse)
-    unroll = _check_unroll(unroll)
-    invert = _check_invert("scan", invert)
-    anchor_every = _check_anchor_every("scan", anchor_every)
+    args.check_callable("scan", "f", f)
+    length = args.check_length(length)
+    reverse = args.check_reverse(reverse)
+    unroll = args.check_unroll(unroll)
+    invert = args.check_invert("scan", invert)
+    anchor_every = args.check_anchor_every("scan", anchor_every)
     drift = check_monitor("scan", drift)
-    fname = _name(f, "f")
+    fname = args.name(f, "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
-    n = _scan_length(x_leaves, length)
-    slots = _check_checkpoints("scan", checkpoints, n)
+    n = args.scan_length(x_leaves, length)
+    slots = args.check_checkpoints("scan", checkpoints, n)
     x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
     nc = len(c_leaves)
     trees: list = []
@@ -576,16 +369,16 @@ def scan(
         out = flat_f(*flat)
         return out[: trees[-1][1].num_leaves]
 
-    c_leaves = _promoted_carry(carry_of_f, c_leaves, x_slices)
+    c_leaves = args.promoted_carry(carry_of_f, c_leaves, x_slices)
     jaxpr, consts, _ = trace(flat_f, c_leaves + x_slices)
     nk = len(consts)
     out_tree, c_out_tree = trees[-1]
-    _check_carry(
+    args.check_carry(
         fname,
         c_tree,
         c_out_tree,
-        _avals(jaxpr.invars[nk : nk + nc]),
-        _avals(jaxpr.outvars[:nc]),
+        args.avals(jaxpr.invars[nk : nk + nc]),
+        args.avals(jaxpr.outvars[:nc]),
     )
     mode = _mode(
         jaxpr,
@@ -600,5 +393,5 @@ def scan(
         anchor_every = max(n, 1)  # the initial carry only
     report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
     run = scan_function(sp, mode, slots, anchor_every, report)
-    final, ys = _call("scan", run, list(consts), c_leaves, x_leaves)
+    final, ys = args.call("scan", run, list(consts), c_leaves, x_leaves)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))

@@ -30,9 +30,10 @@ from revnet._engine.errors import (
 )
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
-from revnet._engine.loops import scan_function, while_function
+from revnet._engine.loops import while_function
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
+from revnet._engine.scan_loop import scan_function
 from revnet._engine.tracing import trace
 
 __all__ = [

@@ -1,8 +1,8 @@
 """The custom VJPs of revnet's loops: forward loop, backward reversed loop.
 
-:func:`scan_function` and :func:`while_function` build the ``jax.custom_vjp``
-functions behind ``revnet.scan`` and ``revnet.while_loop``, in the three modes
-of :mod:`.modes`:
+:func:`while_function` here and :func:`~.scan_loop.scan_function` build the
+``jax.custom_vjp`` functions behind ``revnet.while_loop`` and ``revnet.scan``,
+in the three modes of :mod:`.modes`:
 
 * **invert**: the forward pass saves only the final carry (and ``xs``, ``ys``,
   the trip count, the constants); the backward pass walks back step by step,
@@ -18,12 +18,13 @@ The backward pass runs only the steps the forward pass took. The backward
 functions are tagged, so that the analysis recognises a loop inside an
 ``@invertible`` function. The jitted forward loops are cached by what they
 compute (the body's jaxpr by structure), so an eager loop called again with
-the same body reuses JAX's compiled forward loop.
+the same body reuses JAX's compiled forward loop; this module holds that
+cache (:func:`forwards`) for both loops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -35,9 +36,9 @@ from revnet._engine import checks, cotangents, fingerprint, revolve
 from revnet._engine.analysis import LRU
 from revnet._engine.calls import LoopTag
 from revnet._engine.interpreter import evaluate, run_plan
-from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
+from revnet._engine.jaxpr import Body, aval, eval_body, tag
 from revnet._engine.modes import CHECKPOINT, Mode
-from revnet._engine.scan import merge, reversed_scan
+from revnet._engine.scan import merge
 
 # The jitted forward loops of recent calls, keyed by what they compute (the
 # body's structure and its nested constants by identity; derivative rules do
@@ -47,59 +48,46 @@ from revnet._engine.scan import merge, reversed_scan
 _FORWARDS = LRU(64)
 
 
-def _avals(vars_: Any) -> list[Any]:
+def avals(vars_: Any) -> list[Any]:
+    """The abstract values of jaxpr variables."""
     return [aval(v) for v in vars_]
 
 
-def scan_function(
-    sp: ScanParams,
-    mode: Mode,
-    slots: int,
-    anchor_every: int | None = None,
-    report: Any = None,
-):
-    """``run(consts, init, xs) -> (final, ys)``, a custom VJP for the scan ``sp``.
+def stored_leaves(carry: Sequence[Any], stored: Sequence[bool]) -> list:
+    """The carry leaves that are stored at every step."""
+    return [x for x, s in zip(carry, stored) if s]
+
+
+def forwards(
+    key: tuple, make: Callable[[int | None], Any], anchor_every: int | None, steps
+) -> tuple[Any, Any, int | None]:
+    """The jitted forward loops of one loop, cached by ``key``.
 
     Args:
-      sp: the scan; its body's inputs are the constants, carry and ``xs``.
-      mode: how the backward pass gets each carry (:mod:`.modes`).
-      slots: the number of snapshots when checkpointing.
-      anchor_every: when inverting, store the carry every ``anchor_every``
-        steps and continue the backward pass from it (:mod:`.anchors`).
-        Checkpointing recomputes carries exactly and uses no anchors.
-      report: with anchors, None or a function given the drift at each
-        anchor (through ``jax.debug.callback``) by every backward pass.
+      key: what the loop computes (anchors aside).
+      make: builds the forward loop, given the anchor spacing or None.
+      anchor_every: the anchor spacing asked for, or None.
+      steps: the most steps the loop can take (None: no bound).
+
+    Returns:
+      ``(primal, differentiated, anchor_every)``: the primal forward loop has
+      no anchors (it is what an enclosing ``@invertible`` sees and inverts,
+      and what a call without a VJP runs); the one a differentiated call runs
+      stores anchors, unless none were asked for or the loop takes no step
+      (then ``anchor_every`` is None and both are the same).
     """
-    forward = _cached_scan_forward(sp, mode.stored, None)
-    if mode.kind == CHECKPOINT:
-        return _checkpointed_scan(sp, forward, slots)
-    # The primal function has no anchors: it is what an enclosing
-    # ``@invertible`` sees (and inverts), and what a call without a VJP runs.
-    anchored = forward
-    if anchor_every is not None and sp.length > 0:
-        anchored = _cached_scan_forward(sp, mode.stored, anchor_every)
-    else:
-        anchor_every = None  # nothing to anchor in a loop of no steps
-    return _make_scan(sp, mode, forward, anchored, anchor_every, report)
 
+    def cached(every):
+        forward = _FORWARDS.get((*key, every))
+        if forward is None:
+            forward = make(every)
+            _FORWARDS.put((*key, every), forward)
+        return forward
 
-def _cached_scan_forward(sp: ScanParams, stored, every: int | None):
-    key = (
-        "scan",
-        fingerprint.primal(sp.body.jaxpr),
-        sp.num_consts,
-        sp.num_carry,
-        sp.length,
-        sp.reverse,
-        repr(sp.unroll),
-        stored,
-        every,
-    )
-    forward = _FORWARDS.get(key)
-    if forward is None:
-        forward = _scan_forward(sp, stored, every)
-        _FORWARDS.put(key, forward)
-    return forward
+    primal = cached(None)
+    if anchor_every is None or steps == 0:
+        return primal, primal, None
+    return primal, cached(anchor_every), anchor_every
 
 
 def while_function(
@@ -123,20 +111,27 @@ def while_function(
       slots: the number of snapshots when checkpointing.
       step_hooks: callbacks given the remaining-step counter of every backward
         iteration at run time (a testing aid; read when the backward is traced).
-      anchor_every: as in :func:`scan_function`; room is made for the anchors
-        of ``bound`` steps (of one step without a bound: the initial carry).
-      report: as in :func:`scan_function`.
+      anchor_every: as in :func:`~.scan_loop.scan_function`; room is made for
+        the anchors of ``bound`` steps (of one step without a bound: the
+        initial carry).
+      report: as in :func:`~.scan_loop.scan_function`.
     """
-    forward = _cached_while_forward(body_jaxpr, cond_jaxpr, bound, mode.stored, None)
+    key = (
+        "while_loop",
+        fingerprint.primal(body_jaxpr),
+        fingerprint.primal(cond_jaxpr),
+        bound,
+        mode.stored,
+    )
+    body, cond = Body(body_jaxpr, ()), Body(cond_jaxpr, ())
+
+    def make(every):
+        return _while_forward(body, cond, bound, mode.stored, every)
+
     if mode.kind == CHECKPOINT:
+        forward, _, _ = forwards(key, make, None, bound)
         return _checkpointed_while(body_jaxpr, cond_jaxpr, nk, forward, slots)
-    anchored = forward  # as in scan_function: the primal function has none
-    if anchor_every is not None and bound != 0:
-        anchored = _cached_while_forward(
-            body_jaxpr, cond_jaxpr, bound, mode.stored, anchor_every
-        )
-    else:
-        anchor_every = None
+    forward, anchored, anchor_every = forwards(key, make, anchor_every, bound)
     return _make_while(
         body_jaxpr,
         cond_jaxpr,
@@ -147,28 +142,6 @@ def while_function(
         anchor_every,
         report,
     )
-
-
-def _cached_while_forward(body_jaxpr, cond_jaxpr, bound, stored, every):
-    key = (
-        "while_loop",
-        fingerprint.primal(body_jaxpr),
-        fingerprint.primal(cond_jaxpr),
-        bound,
-        stored,
-        every,
-    )
-    forward = _FORWARDS.get(key)
-    if forward is None:
-        forward = _while_forward(
-            Body(body_jaxpr, ()), Body(cond_jaxpr, ()), bound, stored, every
-        )
-        _FORWARDS.put(key, forward)
-    return forward
-
-
-def _kept(carry: Sequence[Any], stored: Sequence[bool]) -> list:
-    return [x for x, s in zip(carry, stored) if s]
 
 
 def _while_forward(
@@ -184,53 +157,24 @@ def _while_forward(
             return p if bound is None else jnp.logical_and(p, n < bound)
 
         def step(state):
-            n, c, bufs, kept = state
+            n, c, bufs, marks = state
             bufs = [
                 lax.dynamic_update_index_in_dim(b, x, n, 0)
-                for b, x in zip(bufs, _kept(c, stored))
+                for b, x in zip(bufs, stored_leaves(c, stored))
             ]
             if every is not None:
-                kept = anc.keep(kept, c, n, every)
-            return n + 1, eval_body(body, *bk, *c), bufs, kept
+                marks = anc.keep(marks, c, n, every)
+            return n + 1, eval_body(body, *bk, *c), bufs, marks
 
         bufs = [
-            jnp.zeros((bound, *jnp.shape(x)), x.dtype) for x in _kept(carry, stored)
+            jnp.zeros((bound, *jnp.shape(x)), x.dtype)
+            for x in stored_leaves(carry, stored)
         ]
-        kept = []
+        marks = []
         if every is not None:
-            kept = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
-        state = (jnp.zeros((), jnp.int32), list(carry), bufs, kept)
+            marks = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
+        state = (jnp.zeros((), jnp.int32), list(carry), bufs, marks)
         return lax.while_loop(go, step, state)
-
-    return jax.jit(forward)
-
-
-def _scan_forward(sp: ScanParams, stored, every: int | None):
-    """``forward(consts, init, xs) -> (final, (ys, stored leaves), anchors)``,
-    jitted; ``anchors`` is empty unless ``every`` is given."""
-    nc = sp.num_carry
-
-    def forward(consts, init, xs):
-        def body(state, x):
-            c, bufs, i = state
-            out = eval_body(sp.body, *consts, *c, *x)
-            if every is not None:
-                bufs, i = anc.keep(bufs, c, i, every), i + 1
-            return (out[:nc], bufs, i), (out[nc:], _kept(c, stored))
-
-        bufs, i = [], None
-        if every is not None:
-            bufs = anc.empty(init, anc.count(sp.length, every))
-            i = jnp.int32(0)
-        (final, bufs, _), out = lax.scan(
-            body,
-            (list(init), bufs, i),
-            list(xs),
-            length=sp.length,
-            reverse=sp.reverse,
-            unroll=sp.unroll,
-        )
-        return final, out, bufs
 
     return jax.jit(forward)
 
@@ -251,9 +195,9 @@ def _make_while(
     runs, which also stores anchors every ``every`` steps.
     """
     forward, anchored = forwards
-    k_avals = _avals(body_jaxpr.invars[:nk])
-    c_avals = _avals(body_jaxpr.invars[nk:])
-    q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
+    k_avals = avals(body_jaxpr.invars[:nk])
+    c_avals = avals(body_jaxpr.invars[nk:])
+    q_avals = avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
     plan, stored = mode.plan, mode.stored
 
     @jax.custom_vjp
@@ -261,12 +205,12 @@ def _make_while(
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
-        n, final, bufs, kept = anchored(bk, ck, carry)
-        return final, (bk, final, n, bufs, kept)
+        n, final, bufs, marks = anchored(bk, ck, carry)
+        return final, (bk, final, n, bufs, marks)
 
     def bwd(res, cts):
-        bk, final, n, bufs, kept = res
-        anchors = None if every is None else anc.Anchors(every, kept, report)
+        bk, final, n, bufs, marks = res
+        anchors = None if every is None else anc.Anchors(every, marks, report)
         hooks = tuple(step_hooks)
 
         def go(state):
@@ -318,9 +262,9 @@ def _make_while(
 
 def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
     """As :func:`_make_while`, with a backward pass that recomputes carries."""
-    k_avals = _avals(body_jaxpr.invars[:nk])
-    c_avals = _avals(body_jaxpr.invars[nk:])
-    q_avals = _avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
+    k_avals = avals(body_jaxpr.invars[:nk])
+    c_avals = avals(body_jaxpr.invars[nk:])
+    q_avals = avals(cond_jaxpr.invars[: len(cond_jaxpr.invars) - len(c_avals)])
 
     @jax.custom_vjp
     def run(bk, ck, carry):
@@ -357,124 +301,5 @@ def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
         )
 
     tag(bwd, LoopTag("while_loop"))
-    run.defvjp(fwd, bwd)
-    return run
-
-
-def _scan_avals(sp: ScanParams):
-    nk, nc = sp.num_consts, sp.num_carry
-    invars = sp.body.jaxpr.invars
-    k_avals = _avals(invars[:nk])
-    c_avals = _avals(invars[nk : nk + nc])
-    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in _avals(invars[nk + nc :])]
-    return k_avals, c_avals, x_avals
-
-
-def _make_scan(
-    sp: ScanParams, mode: Mode, forward, anchored, every: int | None, report
-):
-    """The custom-VJP function ``run(consts, init, xs) -> (final, ys)``.
-
-    ``forward`` runs the primal function; ``anchored`` the forward pass of a
-    differentiated call, which also stores anchors every ``every`` steps.
-    """
-    nk, nc = sp.num_consts, sp.num_carry
-    k_avals, c_avals, x_avals = _scan_avals(sp)
-    known_xs = (True,) * len(x_avals)
-    known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
-    stored = mode.stored
-
-    @jax.custom_vjp
-    def run(consts, init, xs):
-        final, (ys, _), _ = forward(consts, init, xs)
-        return final, ys
-
-    def fwd(consts, init, xs):
-        final, (ys, bufs), kept = anchored(consts, init, xs)
-        return (final, ys), (consts, xs, final, ys, bufs, kept)
-
-    def bwd(res, cts):
-        consts, xs, final, ys, bufs, kept = res
-        anchors = None if every is None else anc.Anchors(every, kept, report)
-        ct_final, ct_ys = cts
-        known = list(consts) + [None] * nc + list(xs)
-        outs = list(final) + list(ys)
-        with checks.scope() as top:
-            _, in_cts = reversed_scan(
-                sp,
-                mode.plan,
-                known_xs,
-                known_ys,
-                known,
-                outs,
-                list(ct_final) + list(ct_ys),
-                merge([None] * (nc - len(bufs)), bufs, stored),
-                anchors,
-            )
-        checks.raise_if_failed(top)
-        in_cts = cotangents.fill(in_cts, k_avals + c_avals + x_avals)
-        return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
-
-    tag(bwd, LoopTag("scan"))  # recognised by the analysis
-    run.defvjp(fwd, bwd)
-    return run
-
-
-def _checkpointed_scan(sp: ScanParams, forward, slots: int):
-    """As :func:`_make_scan`, with a backward pass that recomputes carries."""
-    nk, nc, n = sp.num_consts, sp.num_carry, sp.length
-    k_avals, c_avals, x_avals = _scan_avals(sp)
-    out_avals = _avals(sp.body.jaxpr.outvars)
-
-    @jax.custom_vjp
-    def run(consts, init, xs):
-        final, (ys, _), _ = forward(consts, init, xs)
-        return final, ys
-
-    def fwd(consts, init, xs):
-        final, (ys, _), _ = forward(consts, init, xs)
-        return (final, ys), (consts, list(init), xs)
-
-    def bwd(res, cts):
-        consts, init, xs = res
-        ct_final, ct_ys = cts
-        ct_ys = cotangents.drop_float0(ct_ys)
-
-        def at(t):
-            return n - 1 - t if sp.reverse else t
-
-        def row(stack, t):
-            return [lax.dynamic_index_in_dim(a, at(t), keepdims=False) for a in stack]
-
-        def step(*args):
-            return evaluate(sp.body.jaxpr, args)
-
-        def advance(t, c):
-            return step(*consts, *c, *row(xs, t))[:nc]
-
-        def vjp_step(t, c, state):
-            ctc, ctk, ctx = state
-            cty = [None if a is None else row([a], t)[0] for a in ct_ys]
-            in_cts = cotangents.vjp(
-                step, [*consts, *c, *row(xs, t)], out_avals, [*ctc, *cty]
-            )
-            in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals + x_avals_t)
-            ctx = [
-                a if a is None else lax.dynamic_update_index_in_dim(a, g, at(t), 0)
-                for a, g in zip(ctx, in_cts[nk + nc :])
-            ]
-            return in_cts[nk : nk + nc], cotangents.add_into(ctk, in_cts[:nk]), ctx
-
-        x_avals_t = _avals(sp.body.jaxpr.invars[nk + nc :])
-        state = (
-            cotangents.float_or_none(list(ct_final), c_avals),
-            cotangents.float_or_none([None] * nk, k_avals),
-            cotangents.float_or_none([None] * len(x_avals), x_avals),
-        )
-        ct_init, ct_k, ct_xs = revolve.reverse(advance, vjp_step, init, n, slots, state)
-        in_cts = cotangents.fill([*ct_k, *ct_init, *ct_xs], k_avals + c_avals + x_avals)
-        return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
-
-    tag(bwd, LoopTag("scan"))
     run.defvjp(fwd, bwd)
     return run
