@@ -18,6 +18,15 @@ def is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def cast_floats(tree, dtype):
+    """``tree`` with its floating point leaves cast to ``dtype``."""
+
+    def leaf(a):
+        return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.tree.map(leaf, tree)
+
+
 def cotangents_like(tree, seed: int = 0):
     """Deterministic non-trivial cotangents (float0 zeros for integer leaves)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -22,7 +22,7 @@ import pytest
 import revnet
 from experiments import numerics
 from revnet import blocks
-from tests.helpers import assert_trees_close
+from tests.helpers import assert_trees_close, cast_floats
 
 DEPTH = 128
 
@@ -49,10 +49,6 @@ def _grad_fn(net):
     return jax.grad(loss, argnums=(0, 1))
 
 
-def _cast(tree, dtype):
-    return jax.tree.map(lambda a: a.astype(dtype), tree)
-
-
 @pytest.mark.parametrize("coupling", ["additive", "affine_bounded", "affine_default"])
 def test_anchor_every_16_at_depth_128(coupling):
     """Gradient error <= 3x standard backprop's; activation memory <= 1/8."""
@@ -62,7 +58,9 @@ def test_anchor_every_16_at_depth_128(coupling):
     anchored, _ = numerics._model(coupling, DEPTH, args, True, anchor_every=16)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     with jax.enable_x64(True):
-        ref = jax.jit(_grad_fn(std))(*(_cast(t, jnp.float64) for t in (params, x, c)))
+        ref = jax.jit(_grad_fn(std))(
+            *(cast_floats(t, jnp.float64) for t in (params, x, c))
+        )
         g_std = jax.jit(_grad_fn(std))(params, x, c)
         g_anchored = jax.jit(_grad_fn(anchored))(params, x, c)
         err_std = numerics._rel(g_std, ref)
@@ -80,7 +78,9 @@ def _errors(coupling, args, x, c):
     rev, inv = numerics._model(coupling, DEPTH, args, reversible=True)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     with jax.enable_x64(True):
-        ref = jax.jit(_grad_fn(std))(*(_cast(t, jnp.float64) for t in (params, x, c)))
+        ref = jax.jit(_grad_fn(std))(
+            *(cast_floats(t, jnp.float64) for t in (params, x, c))
+        )
         g_rev = jax.jit(_grad_fn(rev))(params, x, c)
         rebuilt = jax.jit(inv.apply)(params, None, jax.jit(rev.apply)(params, None, x))
         return numerics._rel(rebuilt, x), numerics._rel(g_rev, ref)
@@ -158,7 +158,7 @@ def test_anchors_replay_dropout_and_update_batch_norm_once(dtype):
         x = jax.random.normal(jax.random.PRNGKey(1), (6, 8), dtype)
         rng = jax.random.PRNGKey(7)
         params, state = jax.jit(_net(False).init)(jax.random.PRNGKey(0), x)
-        params, state = _cast((params, state), dtype)
+        params, state = cast_floats((params, state), dtype)
 
         def run(net):
             def loss(p):
@@ -273,7 +273,7 @@ _EIGHT_DEVICES = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests.blocks.test_anchors import _net
-    from tests.helpers import assert_trees_close
+    from tests.helpers import assert_trees_close, cast_floats
 
     assert jax.device_count() == 8
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))

@@ -21,6 +21,7 @@ import pytest
 import revnet
 from revnet import blocks
 from tests.blocks.helpers import assert_trees_close, temp_bytes
+from tests.helpers import cast_floats
 
 
 def additive_block(h):
@@ -96,19 +97,12 @@ def step(name: str, reversible: bool, params, state, x):
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
 
-def cast(tree, dtype):
-    def leaf(a):
-        return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
-
-    return jax.tree.map(leaf, tree)
-
-
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gradients_equal_the_twin(name, dtype):
     inputs = setup(name)  # in float32, outside the float64 context
     with jax.enable_x64(dtype == "float64"):
-        x, params, state = cast(inputs, jnp.dtype(dtype))
+        x, params, state = cast_floats(inputs, jnp.dtype(dtype))
         rtol = 1e-5 if dtype == "float32" else 1e-10
         (g_rev, state_rev), (g_std, state_std) = (
             step(name, r, params, state, x) for r in (True, False)
