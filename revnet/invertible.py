@@ -60,9 +60,11 @@ from revnet._engine import (
     Stuck,
     analyze,
     aval,
+    check_options,
     checks,
     cotangents,
     eval_body,
+    expose,
     leaf_paths,
     not_invertible,
     trace,
@@ -89,22 +91,29 @@ def _plan(jaxpr: Any, n_consts: int, n_args: int, paths, fname: str) -> Plan:
         raise not_invertible(stuck, paths(), n_consts, fname) from None
 
 
-def _vjp_fun(jaxpr: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
-    """``run(consts, args)`` evaluating ``jaxpr``, with the inverting VJP."""
+def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
+    """``run(consts, args)`` evaluating ``jaxpr``, with the inverting VJP.
+
+    The forward pass of a differentiated call evaluates ``exposed.jaxpr``,
+    ``jaxpr`` with its stored decisions as extra outputs, and saves those too;
+    ``plan`` rebuilds the inputs of ``exposed.jaxpr``.
+    """
+    n_out = len(jaxpr.outvars)
 
     @jax.custom_vjp
     def run(consts, args):
         return eval_body(Body(jaxpr, ()), *consts, *args)
 
     def fwd(consts, args):
-        outs = run(consts, args)
-        return outs, (consts, outs)
+        outs = eval_body(Body(exposed.jaxpr, ()), *consts, *args)
+        return outs[:n_out], (consts, outs)
 
     def bwd(res, cts):
         consts, outs = res
-        interp = Interpreter(plan, jaxpr, list(consts), list(outs))
+        interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs))
+        cts = [*cotangents.drop_float0(cts), *[None] * exposed.n]
         with checks.scope() as sc:
-            _, in_cts = interp.backward(cotangents.drop_float0(cts), need_values=False)
+            _, in_cts = interp.backward(cts, need_values=False)
         checks.raise_if_failed(sc)
         full = cotangents.fill(in_cts, [aval(v) for v in jaxpr.invars])
         return full[:n_consts], full[n_consts:]
@@ -114,8 +123,9 @@ def _vjp_fun(jaxpr: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
 
 
 class _Invertible:
-    def __init__(self, fun: Callable[..., Any]):
+    def __init__(self, fun: Callable[..., Any], decisions: str, kinks: str):
         self.fun = fun
+        self.decisions, self.kinks = decisions, kinks
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args):
@@ -127,20 +137,31 @@ class _Invertible:
             return self.fun(*jax.tree_util.tree_unflatten(in_tree, flat))
 
         jaxpr, consts, out_tree = trace(flat_fun, flat_args)
-        n_consts = len(consts)
+        n_consts, n_args = len(consts), len(flat_args)
+        exposed = expose(
+            jaxpr,
+            [False] * n_consts + [True] * n_args,
+            decisions=self.decisions,
+            kinks=self.kinks,
+        )
         # The plan is cached by structure; the custom VJP closes over this
         # trace's jaxpr (its rules and nested constants), so it is made anew.
         plan = _plan(
-            jaxpr, n_consts, len(flat_args), lambda: leaf_paths("args", args), fname
+            exposed.jaxpr, n_consts, n_args, lambda: leaf_paths("args", args), fname
         )
-        outs = _vjp_fun(jaxpr, plan, n_consts)(list(consts), list(flat_args))
+        outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     def inverse(self, *example_args):
         return inverse(self, *example_args)
 
 
-def invertible(fun: Callable[..., Any]) -> Callable[..., Any]:
+def invertible(
+    fun: Callable[..., Any] | None = None,
+    *,
+    decisions: str = "store",
+    kinks: str = "recompute",
+) -> Callable[..., Any]:
     """Makes ``fun``'s VJP rebuild activations from outputs instead of storing them.
 
     The returned function computes the same values as ``fun``. Under
@@ -156,8 +177,20 @@ def invertible(fun: Callable[..., Any]) -> Callable[..., Any]:
     next block's inputs and would be stored. Loop a block with ``lax.scan``
     inside one ``@invertible`` function for memory independent of depth.
 
-    Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``)
-    is not available, as for any ``jax.custom_vjp`` function.
+    Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
+    available, as for any ``jax.custom_vjp`` function.
+
+    **Decisions are stored.** A result whose value jumps (a comparison,
+    ``sign``, ``round``/``floor``/``ceil``, ``argmax``, ``top_k``'s indices, a
+    ``sort``'s order, a cast to an integer) that reads a value the backward
+    pass rebuilds is saved by the forward pass, in its own small dtype, and
+    used by the backward pass instead of being made again on rebuilt values,
+    where rounding could flip it near a tie. This costs one decision tensor
+    per use (a ``bool`` per compared element, an ``int32`` per routed token
+    and layer). Decisions reading only weights, constants or counters are
+    recomputed. ``max``, ``min``, ``abs`` and ``relu`` are *kinks*: continuous
+    in value, so they are recomputed, and at an exact tie their derivative
+    follows the rebuilt value; ``kinks="store"`` stores their branch too.
 
     Example::
 
@@ -167,10 +200,19 @@ def invertible(fun: Callable[..., Any]) -> Callable[..., Any]:
             y2 = x2 + jnp.tanh(y1 @ w2)
             return y1, y2
 
+    With options, use ``@revnet.invertible(decisions="recompute")``.
+
     Args:
       fun: a function of positional arguments that are pytrees of arrays
         (floating, or integers updated invertibly such as counters), returning a
         pytree of arrays.
+      decisions: ``"store"`` (the default) or ``"recompute"``: make decisions
+        again on rebuilt values, storing nothing. Near a tie a recomputed
+        decision can flip and the gradient then differs from ``jax.grad``'s.
+      kinks: ``"recompute"`` (the default) or ``"store"``: also store the
+        branch of ``max``, ``min``, ``abs`` and ``jax.nn.relu`` that reads
+        rebuilt values (an int8 or bool per element), so that the derivative
+        at an exact tie is ``jax.grad``'s.
 
     Returns:
       A function with the same signature and values as ``fun``.
@@ -180,11 +222,16 @@ def invertible(fun: Callable[..., Any]) -> Callable[..., Any]:
         message names the primitive, the input that cannot be recovered and the
         source line.
     """
+    check_options(decisions, kinks, "invertible")
+    if fun is None:
+        return functools.partial(invertible, decisions=decisions, kinks=kinks)
     if isinstance(fun, _Invertible):
-        return fun
+        if (fun.decisions, fun.kinks) == (decisions, kinks):
+            return fun
+        fun = fun.fun
     if not callable(fun):
         raise TypeError(f"invertible expects a callable, got {fun!r}")
-    return _Invertible(fun)
+    return _Invertible(fun, decisions, kinks)
 
 
 def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:

@@ -66,6 +66,8 @@ from revnet._engine import (
     Body,
     ScanParams,
     Stuck,
+    check_options,
+    expose,
     leaf_paths,
     modes,
     not_invertible,
@@ -108,6 +110,9 @@ def while_loop(
     invert: bool | None = None,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
+    *,
+    decisions: str = "store",
+    kinks: str = "recompute",
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -162,6 +167,12 @@ def while_loop(
         for ``ceil(max_steps / anchor_every)`` carries).
       drift: as in :func:`scan`; without ``anchor_every`` the initial carry is
         stored and the whole loop's reconstruction error reported.
+      decisions: ``"store"`` (the default) or ``"recompute"``. A while loop
+        cannot store a decision per step: a body whose results jump on the
+        carry (comparisons, ``argmax``, ``round``, see
+        :func:`revnet.invertible`) is checkpointed, which recomputes them
+        exactly; ``"recompute"`` lets such a body be inverted anyway.
+      kinks: as in :func:`revnet.invertible`.
 
     Returns:
       The final carry, with the structure of ``init_val``.
@@ -179,6 +190,7 @@ def while_loop(
         ``anchor_every`` is below 1, or ``anchor_every`` is given without
         ``max_steps``.
     """
+    check_options(decisions, kinks, "while_loop")
     args.check_callable("while_loop", "cond_fun", cond_fun)
     args.check_callable("while_loop", "body_fun", body_fun)
     bound = args.check_max_steps(max_steps)
@@ -221,6 +233,17 @@ def while_loop(
             f"cond_fun must return a boolean scalar, got ({args.describe(pred)})"
         )
     paths = leaf_paths("init_val", init_val)
+    rebuilt = [False] * nk + [True] * len(leaves)
+    if expose(body_jaxpr, rebuilt, decisions=decisions, kinks=kinks).n:
+        # Decisions on the carry: only checkpointing makes them again exactly.
+        if invert:
+            raise ValueError(
+                f"while_loop: {bname} makes decisions on the carry (comparisons, "
+                "argmax, round, ...) that a while loop cannot store per step; use "
+                "invert=False (checkpointing recomputes them exactly) or "
+                "decisions='recompute'"
+            )
+        invert = False
     mode = _mode(
         body_jaxpr,
         nk,
@@ -260,6 +283,9 @@ def scan(
     invert: bool | None = None,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
+    *,
+    decisions: str = "store",
+    kinks: str = "recompute",
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -317,6 +343,12 @@ def scan(
         sends the reconstruction error at each anchor to (without
         ``anchor_every``, the initial carry is stored and the error of the
         whole loop is reported).
+      decisions: ``"store"`` (the default): when the carry is rebuilt, the
+        results of ``f`` that jump and read it (comparisons, ``argmax``,
+        ``top_k`` indices, ``round``; see :func:`revnet.invertible`) are
+        stored at every step and not made again on rebuilt values;
+        ``"recompute"`` stores nothing.
+      kinks: as in :func:`revnet.invertible`.
 
     Returns:
       ``(final_carry, ys)`` with ``ys`` stacked along a leading axis, in the
@@ -334,6 +366,7 @@ def scan(
         is given, when ``length`` or ``unroll`` is negative, or when
         ``checkpoints`` or ``anchor_every`` is below 1.
     """
+    check_options(decisions, kinks, "scan")
     args.check_callable("scan", "f", f)
     length = args.check_length(length)
     reverse = args.check_reverse(reverse)
@@ -380,18 +413,25 @@ def scan(
         args.avals(jaxpr.invars[nk : nk + nc]),
         args.avals(jaxpr.outvars[:nc]),
     )
+    rebuilt = [False] * nk + [True] * nc + [False] * len(x_leaves)
+    exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
     mode = _mode(
-        jaxpr,
+        exposed.jaxpr,
         nk,
         range(nk, nk + nc),
         True,
         invert,
         lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
     )
-    sp = ScanParams(Body(jaxpr, ()), nk, nc, n, reverse, unroll)
+    # Inverting or storing, the body also returns its decisions as extra ys;
+    # checkpointing recomputes them exactly.
+    extra = 0 if mode.kind == modes.CHECKPOINT else exposed.n
+    body = exposed.jaxpr if extra else jaxpr
+    sp = ScanParams(Body(body, ()), nk, nc, n, reverse, unroll)
     if drift is not None and anchor_every is None:
         anchor_every = max(n, 1)  # the initial carry only
     report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
     run = scan_function(sp, mode, slots, anchor_every, report)
     final, ys = args.call("scan", run, list(consts), c_leaves, x_leaves)
-    return jax.tree_util.tree_unflatten(out_tree, list(final) + list(ys))
+    ys = list(ys)[: len(ys) - extra]
+    return jax.tree_util.tree_unflatten(out_tree, list(final) + ys)

@@ -21,6 +21,14 @@ from revnet._engine import (
     select,  # noqa: F401  (registers its rules)
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
+from revnet._engine.decisions import (
+    DECISIONS,
+    KINKS,
+    Exposed,
+    check_options,
+    expose,
+    stored_bytes,
+)
 from revnet._engine.errors import (
     NotInvertibleError,
     Stuck,
@@ -37,6 +45,12 @@ from revnet._engine.scan_loop import scan_function
 from revnet._engine.tracing import trace
 
 __all__ = [
+    "DECISIONS",
+    "KINKS",
+    "Exposed",
+    "check_options",
+    "expose",
+    "stored_bytes",
     "LRU",
     "PLAN_CACHE",
     "Body",

@@ -364,3 +364,120 @@ def caller_site() -> str:
             return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return ""
+
+
+# --------------------------------------------------------------------------- #
+# Building equations: the decision pass (:mod:`.decisions`) rewrites jaxprs
+# with these, so that it never touches JAX's jaxpr classes itself.
+
+
+def new_var(a: Any) -> Var:
+    """A fresh variable of abstract value ``a``."""
+    return Var(a)
+
+
+def stacked(a: Any, length: int) -> Any:
+    """The abstract value ``a`` stacked ``length`` times on a new leading axis."""
+    return a.update(shape=(length, *a.shape))
+
+
+def with_outputs(jaxpr: Jaxpr, outvars: Sequence[Any], eqns=None) -> Jaxpr:
+    """``jaxpr`` with the outputs ``outvars`` (and the equations ``eqns``)."""
+    eqns = list(jaxpr.eqns) if eqns is None else list(eqns)
+    return jaxpr.replace(eqns=eqns, outvars=list(outvars))
+
+
+def splice(
+    fun: Callable[..., Sequence[Any]], atoms: Sequence[Any], source_info: Any
+) -> tuple[list[JaxprEqn], list[Any]]:
+    """The equations computing ``fun(*atoms)``, on the variables ``atoms``.
+
+    ``fun`` is traced on the atoms' abstract values; its equations are
+    renamed onto fresh variables and attributed to ``source_info``.
+
+    Returns:
+      ``(equations, output atoms)``.
+    """
+
+    def struct(v):
+        a = v.aval
+        return jax.ShapeDtypeStruct(
+            a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False))
+        )
+
+    closed = jax.make_jaxpr(lambda *xs: list(fun(*xs)))(*[struct(v) for v in atoms])
+    inner = closed.jaxpr
+    env: dict = dict(zip(inner.invars, atoms))
+    for cv, c in zip(inner.constvars, closed.consts):
+        env[cv] = Literal(c, cv.aval)
+
+    def rename(a):
+        if is_literal(a) or is_dropvar(a):
+            return a
+        if a not in env:
+            env[a] = Var(a.aval)
+        return env[a]
+
+    eqns = [
+        e.replace(
+            invars=[rename(a) for a in e.invars],
+            outvars=[rename(a) for a in e.outvars],
+            source_info=source_info,
+        )
+        for e in inner.eqns
+    ]
+    return eqns, [rename(a) for a in inner.outvars]
+
+
+def scan_with_body(eqn: JaxprEqn, body: Jaxpr, n_consts: int, outvars) -> JaxprEqn:
+    """The ``scan`` equation ``eqn`` with a new body and outputs.
+
+    ``body`` takes the body's ``n_consts`` constants as leading inputs (as
+    :func:`as_body` gives them); their values are those of ``eqn``'s body.
+    """
+    consts = as_body(eqn.params["jaxpr"]).consts
+    closed = jex_core.ClosedJaxpr(
+        body.replace(
+            constvars=list(body.invars[:n_consts]), invars=list(body.invars[n_consts:])
+        ),
+        list(consts),
+    )
+    return eqn.replace(params={**eqn.params, "jaxpr": closed}, outvars=list(outvars))
+
+
+def remat_with_body(eqn: JaxprEqn, body: Jaxpr, outvars) -> JaxprEqn:
+    """The ``remat`` equation ``eqn`` with a new (constant-free) body and outputs."""
+    return eqn.replace(params={**eqn.params, "jaxpr": body}, outvars=list(outvars))
+
+
+def inline_body(
+    body: Body, atoms: Sequence[Any], source_info: Any
+) -> tuple[list[JaxprEqn], list[Any]]:
+    """A call's body as equations on the call's inputs ``atoms``.
+
+    The body's constants become literals; its variables are renamed fresh.
+
+    Returns:
+      ``(equations, output atoms)``.
+    """
+    consts = [Literal(c, v.aval) for v, c in zip(body.jaxpr.invars, body.consts)]
+    env: dict = dict(zip(body.jaxpr.invars, [*consts, *atoms]))
+
+    def rename(a):
+        if is_literal(a) or is_dropvar(a):
+            return a
+        if a not in env:
+            env[a] = Var(a.aval)
+        return env[a]
+
+    eqns = []
+    for e in body.jaxpr.eqns:
+        info = e.source_info if where(e) else source_info
+        eqns.append(
+            e.replace(
+                invars=[rename(a) for a in e.invars],
+                outvars=[rename(a) for a in e.outvars],
+                source_info=info,
+            )
+        )
+    return eqns, [rename(a) for a in body.jaxpr.outvars]

@@ -111,6 +111,9 @@ class ReversibleSequence(hk.Module):
         anchor_every: int | None = None,
         drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
+        *,
+        decisions: str = "store",
+        kinks: str = "recompute",
     ):
         """Constructs the sequence.
 
@@ -132,6 +135,14 @@ class ReversibleSequence(hk.Module):
             ``anchor_every``, the input is stored and the error of the whole
             stack is reported). See :mod:`revnet.drift`.
           name: Name of the module.
+          decisions: ``"store"`` (default): results of the blocks that jump
+            (comparisons, ``argmax``/``top_k`` routing, ``sign``, ``round``)
+            are stored by the forward pass, one decision tensor per layer, and
+            not made again on rebuilt values; ``"recompute"`` stores nothing
+            and may follow another branch near a tie. See
+            :func:`revnet.invertible`.
+          kinks: ``"recompute"`` (default) or ``"store"``: also store the
+            branch of ``max``/``min``/``abs``/``relu`` on rebuilt values.
 
         Raises:
           TypeError: If ``block_fn`` is neither a callable nor a list of
@@ -148,6 +159,11 @@ class ReversibleSequence(hk.Module):
         self.reversible = check_bool(module, "reversible", reversible)
         anchors = check_anchors(module, anchor_every, drift)
         self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
+        try:
+            revnet.invertible(decisions=decisions, kinks=kinks)
+        except ValueError as e:
+            raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
+        self.decisions, self.kinks = decisions, kinks
         if not callable(block_fn) and (anchor_every is not None or drift is not None):
             raise ValueError(
                 f"{module}: anchor_every and drift need a single block_fn stacked "
@@ -225,6 +241,8 @@ class ReversibleSequence(hk.Module):
                         h,
                         per_layer,
                         invert=True,
+                        decisions=self.decisions,
+                        kinks=self.kinks,
                         anchor_every=self.anchor_every,
                         drift=self.drift,
                     )
@@ -252,7 +270,7 @@ class ReversibleSequence(hk.Module):
         )
         stack = self._stack(x, args, kwargs, anchored)
         if self.reversible and not anchored:
-            stack = revnet.invertible(stack)
+            stack = revnet.invertible(stack, decisions=self.decisions, kinks=self.kinks)
         y, new_states = stack(x)
         for fn, state in zip(self._lifted, new_states, strict=True):
             fn.update_state(state)
