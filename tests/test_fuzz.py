@@ -105,3 +105,26 @@ def test_plain_reference_runs_loops_as_python_loops():
         want = jax.tree_util.tree_map(jnp.asarray, f_plain(a, b))
         got = f_jax(a, b)
     fz.compare(got, want, fz.RTOL[prog.family], "values")
+
+
+DECISION_SHARDS = 4
+# Cheap constructs only: every program features a decision (on tied inputs).
+DECISION_POOL = ["decision", "unary", "coupling", "mix", "halves", "dot", "dup_slices"]
+
+
+@pytest.mark.parametrize("shard", range(DECISION_SHARDS))
+def test_random_programs_with_decisions(shard):
+    """2,000 programs, each with at least one decision inside F on exact ties."""
+    weights = {name: 0.0 for name in fz.CONSTRUCTS}
+    weights["decision"] = 1.0
+    report = fz.run(
+        PROGRAMS_PER_SHARD,
+        seed=3000 + shard,
+        only=DECISION_POOL,
+        min_featured=0,
+        feature_weights=weights,
+    )
+    print(f"\ndecision shard {shard} of {DECISION_SHARDS}:\n{report.table()}")
+    assert report.total["tried"] == PROGRAMS_PER_SHARD
+    assert report.counts["decision"]["tried"] == PROGRAMS_PER_SHARD
+    assert report.total["wrong"] == 0, "\n" + report.failures_text(per_construct=1)

@@ -223,6 +223,8 @@ class _Pass:
             return self._split(e, *_kink(e, "relu"))
         if jx.call_body(e) is not None:  # a custom_jvp function: its own rule
             return [e], [], same, rebuilt
+        if name == "sign" and jnp.issubdtype(jx.aval(e.outvars[0]).dtype, jnp.floating):
+            return self._split(e, *_sign(e))
         outs = [v for v in e.outvars if not jx.is_dropvar(v)]
         if outs and (
             name in _STEPS or not any(is_float_aval(jx.aval(v)) for v in outs)
@@ -311,6 +313,16 @@ def _sort(e):
         return [jnp.take_along_axis(x, perm, axis=dim) for x in xs]
 
     return decide, values, None
+
+
+def _sign(e):
+    """``sign`` stored as int8, converted back to its float dtype."""
+    dtype = jx.aval(e.outvars[0]).dtype
+    return (
+        lambda x: [jnp.sign(x).astype(jnp.int8)],
+        lambda x, d: [d.astype(dtype)],
+        None,
+    )
 
 
 def _is_relu(e) -> bool:

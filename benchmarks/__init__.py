@@ -1,0 +1,1 @@
+"""Benchmarks: each module has ``NAME``, ``main(argv)`` and ``markdown(results)``."""
