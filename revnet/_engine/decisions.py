@@ -184,15 +184,17 @@ class _Pass:
         """Whether ``e`` is a call to inline because its body stores decisions.
 
         revnet's own ``scan`` (its primal body) and ``jit``s with constants are
-        inlined; ``remat`` keeps its body and gains outputs instead.
+        inlined, and so is a ``remat`` with constants; any other ``remat``
+        keeps its body and gains outputs instead.
         """
         name = jx.primitive_name(e)
         tag = jx.tag_of(e)
         ours = tag is not None and getattr(tag, "loop_kind", None) == "scan"
-        if not ours and name not in jx.JIT_NAMES:
-            return False
         body = jx.call_body(e)
         if body is None:
+            return False
+        remat_with_consts = name in _REMAT and body.consts
+        if not ours and name not in jx.JIT_NAMES and not remat_with_consts:
             return False
         nb = len(body.consts)
         _, extra, _ = _Pass(self.kinks).run(body.jaxpr, [False] * nb + tin)
@@ -275,7 +277,7 @@ class _Pass:
         body = jx.call_body(e)
         nb = len(body.consts)
         new_body, extra, tout = self.run(body.jaxpr, [False] * nb + tin, dry=dry)
-        if dry or not extra or nb:
+        if dry or not extra:  # (with constants and decisions it was inlined)
             return [e], [], list(e.outvars), tout
         outs = [jx.new_var(jx.aval(v)) for v in extra]
         body2 = jx.with_outputs(new_body, [*new_body.outvars, *extra])
