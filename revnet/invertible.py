@@ -115,8 +115,10 @@ def _vjp_fun(jaxpr: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
 
 class _Invertible:
     def __init__(self, fun: Callable[..., Any]):
+        # Names and docs only: copying ``fun.__dict__`` would replace ``self.fun``
+        # by a ``custom_ivjp``'s own ``fun`` and drop its inverse.
+        functools.update_wrapper(self, fun, updated=())
         self.fun = fun
-        functools.update_wrapper(self, fun)
 
     def __call__(self, *args):
         fname = getattr(self.fun, "__name__", "function")
@@ -187,6 +189,25 @@ def invertible(fun: Callable[..., Any]) -> Callable[..., Any]:
     return _Invertible(fun)
 
 
+def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
+    """Output ``n`` given to an inverse, as an array of the type ``fun`` returns.
+
+    Python scalars (and other weakly typed values) take the output's dtype
+    where JAX would give them that dtype (``1`` or ``2.5`` for a float32
+    output, not ``2.5`` for an int32 one); anything else must have its shape
+    and dtype already.
+    """
+    x = jnp.asarray(o)
+    dtype = jnp.result_type(x, want.dtype) if x.weak_type else x.dtype
+    if x.shape != tuple(want.shape) or dtype != want.dtype:
+        raise TypeError(
+            f"inverse of {fname}: output {n} should be "
+            f"{want.dtype}{list(want.shape)} as {fname} returns, got "
+            f"{dtype}{list(x.shape)}"
+        )
+    return x if x.dtype == want.dtype else x.astype(want.dtype)
+
+
 def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:
     """Returns the inverse of ``fun``: outputs -> tuple of positional inputs.
 
@@ -235,15 +256,10 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
                 f"inverse of {fname}: expected outputs with structure {out_tree}, got "
                 f"{tree}"
             )
-        for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars)):
-            want = aval(v)
-            got = (tuple(np.shape(o)), jnp.result_type(o))
-            if got[0] != tuple(want.shape) or got[1] != want.dtype:
-                raise TypeError(
-                    f"inverse of {fname}: output {n} should be "
-                    f"{want.dtype}{list(want.shape)} as {fname} returns, got "
-                    f"{got[1]}{list(got[0])}"
-                )
+        flat_out = [
+            _as_output(o, aval(v), n, fname)
+            for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars))
+        ]
         with checks.scope() as sc:
             values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
         checks.raise_if_failed(sc)
