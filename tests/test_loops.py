@@ -893,3 +893,127 @@ def test_a_new_callback_in_the_same_body_is_called_not_the_cached_one():
         )
     jax.effects_barrier()
     assert calls == {"a": 5, "b": 5}
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: weak types, unperturbed leaves, zero-length scans.
+
+
+@contextlib.contextmanager
+def _modes_seen():
+    """The backward modes chosen by the loops inside the block."""
+    from revnet._engine import modes
+
+    seen, choose = [], modes.choose
+
+    def record(*args, **kwargs):
+        mode = choose(*args, **kwargs)
+        seen.append(mode.kind)
+        return mode
+
+    modes.choose = record
+    try:
+        yield seen
+    finally:
+        modes.choose = choose
+
+
+def _types(tree):
+    # lax.scan may give back an unchanged Python scalar leaf as it is.
+    return jax.tree_util.tree_map(lambda a: _dtype_weak(jnp.asarray(a)), tree)
+
+
+def _dtype_weak(a):
+    return a.dtype, a.weak_type
+
+
+def _weak_step(i, h, s, m, x, with_max):
+    """A step whose carry holds a Python int ``i`` and a Python float ``s``
+    (weak, and kept weak by the step) meeting float arrays."""
+    h = h + jnp.tanh(x * s + i)
+    return i + 1, h, s * 1.5, jnp.maximum(m, jnp.max(h)) if with_max else m
+
+
+_WEAK_MODES = [
+    ("invert", False, {}),
+    ("store", True, {}),
+    ("checkpoint", True, {"invert": False}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, kw):
+    def body(c, x):
+        c = _weak_step(*c, x, with_max)
+        return c, c[1] * c[2]
+
+    def run(scan_fn, **kw):
+        def f(h, s):
+            return scan_fn(
+                body, (0, h, s, 0.0), jnp.linspace(0.1, 0.5, 4, dtype=dtype), **kw
+            )
+
+        return f
+
+    def loss(f):
+        def g(h, s):
+            (_, h, s, m), ys = f(h, s)
+            return jnp.sum(jnp.sin(h) * m) + jnp.sum(ys) + s
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
+        h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
+        want = jax.tree_util.tree_map(jnp.asarray, run(lax.scan)(h0, 0.7))
+        with _modes_seen() as seen:
+            got = run(scan, **kw)(h0, 0.7)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(lax.scan)), (0, 1))(h0, 0.7)
+        g_got = jax.grad(loss(run(scan, **kw)), (0, 1))(h0, 0.7)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_while_loop_keeps_weak_types_of_python_scalar_carries(
+    dtype, mode, with_max, kw
+):
+    def body(c):
+        return _weak_step(*c, 0.25, with_max)
+
+    def run(kw):
+        def f(h, s):
+            init = (0, h, s, 0.0)
+            if kw is None:
+                return lax.fori_loop(0, 3, lambda _, c: body(c), init)
+            return while_loop(lambda c: c[0] < 3, body, init, max_steps=5, **kw)
+
+        return f
+
+    def loss(f):
+        def g(h, s):
+            _, h, s, m = f(h, s)
+            return jnp.sum(jnp.sin(h) * m) + s
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
+        h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
+        want = jax.tree_util.tree_map(jnp.asarray, run(None)(h0, 0.7))
+        with _modes_seen() as seen:
+            got = run(kw)(h0, 0.7)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(None)), (0, 1))(h0, 0.7)
+        g_got = jax.grad(loss(run(kw)), (0, 1))(h0, 0.7)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
