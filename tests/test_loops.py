@@ -9,6 +9,7 @@ programs (``memory_analysis``, ``cost_analysis``), never on wall time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import haiku as hk
@@ -1017,3 +1018,95 @@ def test_while_loop_keeps_weak_types_of_python_scalar_carries(
         g_got = jax.grad(loss(run(kw)), (0, 1))(h0, 0.7)
         assert _types(g_got) == _types(g_want)
         _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+def _zero_step(c, x, w):
+    a, m = c
+    a = a + jnp.sin(m * w) * x
+    return (a, m), a * w
+
+
+def _zero_step_max(c, x, w):
+    a, m = c
+    a = a + jnp.sin(m * w) * x
+    return (a, jnp.maximum(m, jnp.max(a))), a * w
+
+
+_ZERO_MODES = [
+    ("invert", _zero_step, {}),
+    ("store", _zero_step_max, {}),
+    ("checkpoint", _zero_step_max, {"invert": False}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("with_xs", [True, False], ids=["xs", "length"])
+@pytest.mark.parametrize("mode,step,kw", _ZERO_MODES, ids=[m[0] for m in _ZERO_MODES])
+def test_zero_length_scan_behaves_as_lax_scan(dtype, with_xs, mode, step, kw):
+    def run(scan_fn, **kw):
+        def f(a, m, xs, w):
+            body = functools.partial(step, w=w)
+            if with_xs:
+                return scan_fn(body, (a, m), xs, **kw)
+            return scan_fn(lambda c, _: body(c, 0.5), (a, m), None, length=0, **kw)
+
+        return f
+
+    def loss(f):
+        def g(*args):
+            (a, m), ys = f(*args)
+            return jnp.sum(jnp.sin(a)) + jnp.sum(m**2) + jnp.sum(ys)
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64):
+        args = (
+            jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
+            jnp.asarray(0.7, dtype),
+            jnp.zeros((0, 3), dtype),
+            jnp.asarray(1.3, dtype),
+        )
+        want = run(lax.scan)(*args)
+        with _modes_seen() as seen:
+            got = run(scan, **kw)(*args)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(lax.scan)), (0, 1, 2, 3))(*args)
+        g_got = jax.grad(loss(run(scan, **kw)), (0, 1, 2, 3))(*args)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("mode,step,kw", _ZERO_MODES, ids=[m[0] for m in _ZERO_MODES])
+def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
+    def run(**kw):
+        def f(a, m, w):
+            def body(c):
+                (a, m), _ = step(c[:2], 0.5, w)
+                return a, m, c[2] + 1
+
+            return while_loop(lambda c: c[2] < 3, body, (a, m, 0), max_steps=0, **kw)
+
+        return f
+
+    with jax.enable_x64(dtype == jnp.float64):
+        args = (
+            jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
+            jnp.asarray(0.7, dtype),
+            jnp.asarray(1.3, dtype),
+        )
+        with _modes_seen() as seen:
+            got = run(**kw)(*args)
+        assert seen == [mode]
+        _assert_tree_close(got, (args[0], args[1], jnp.asarray(0)), RTOL[dtype])
+
+        def loss(a, m, w):
+            a, m, _ = run(**kw)(a, m, w)
+            return jnp.sum(jnp.sin(a)) + m**2
+
+        g = jax.grad(loss, (0, 1, 2))(*args)
+        _assert_tree_close(
+            g, (jnp.cos(args[0]), 2 * args[1], jnp.zeros((), dtype)), RTOL[dtype]
+        )

@@ -166,8 +166,10 @@ def _while_forward(
                 marks = anc.keep(marks, c, n, every)
             return n + 1, eval_body(body, *bk, *c), bufs, marks
 
+        # At least one row: a loop bounded by 0 steps writes none, but its
+        # (never run) step must still trace.
         bufs = [
-            jnp.zeros((bound, *jnp.shape(x)), x.dtype)
+            jnp.zeros((max(bound, 1), *jnp.shape(x)), x.dtype)
             for x in stored_leaves(carry, stored)
         ]
         marks = []

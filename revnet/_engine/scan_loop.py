@@ -172,6 +172,12 @@ def _checkpointed_scan(sp: ScanParams, forward, slots: int):
     def bwd(res, cts):
         consts, init, xs = res
         ct_final, ct_ys = cts
+        if n == 0:  # no step: the carry passes through, nothing else is read
+            in_cts = cotangents.fill(
+                [None] * nk + list(ct_final) + [None] * len(x_avals),
+                k_avals + c_avals + x_avals,
+            )
+            return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
         ct_ys = cotangents.drop_float0(ct_ys)
 
         def at(t):
