@@ -65,6 +65,7 @@ from revnet._engine import (
     eval_body,
     leaf_paths,
     not_invertible,
+    perturbed,
     trace,
 )
 
@@ -97,19 +98,22 @@ def _vjp_fun(jaxpr: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
         return eval_body(Body(jaxpr, ()), *consts, *args)
 
     def fwd(consts, args):
+        # Only the perturbed inputs are differentiated (symbolic zeros).
+        (consts, args), flags = perturbed.split_primals((consts, args))
         outs = run(consts, args)
-        return outs, (consts, outs)
+        return outs, (consts, outs, perturbed.Flags(flags))
 
     def bwd(res, cts):
-        consts, outs = res
-        interp = Interpreter(plan, jaxpr, list(consts), list(outs))
+        consts, outs, flags = res
+        interp = Interpreter(plan, jaxpr, list(consts), list(outs), flags.value)
+        cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
         with checks.scope() as sc:
-            _, in_cts = interp.backward(cotangents.drop_float0(cts), need_values=False)
+            _, in_cts = interp.backward(cts, need_values=False)
         checks.raise_if_failed(sc)
         full = cotangents.fill(in_cts, [aval(v) for v in jaxpr.invars])
         return full[:n_consts], full[n_consts:]
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
 
 

@@ -1110,3 +1110,78 @@ def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
         _assert_tree_close(
             g, (jnp.cos(args[0]), 2 * args[1], jnp.zeros((), dtype)), RTOL[dtype]
         )
+
+
+@jax.custom_jvp
+def _nondifferentiable(x):
+    """As Equinox's ``nondifferentiable``: raises on a tangent that is not a
+    symbolic zero."""
+    return x
+
+
+def _nondifferentiable_jvp(primals, tangents):
+    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
+        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
+    return primals[0], tangents[0]
+
+
+_nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
+
+
+def _guarded_step(c, x):
+    h, k, g, m = c
+    # k is not differentiated (not in argnums), g only under stop_gradient.
+    h = h + jnp.tanh(
+        x * _nondifferentiable(k) + _nondifferentiable(lax.stop_gradient(g))
+    )
+    m = jnp.maximum(m, jnp.max(h)) if m is not None else None
+    return (h, k * 1.5, g + h, m), h
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_max, kw):
+    xs = jnp.linspace(0.1, 0.5, 4, dtype=dtype)
+
+    def scan_loss(scan_fn, **kw):
+        def f(h, g, k):
+            m = jnp.zeros((), dtype) if with_max else None
+            (h, _, g, m), ys = scan_fn(_guarded_step, (h, k, g, m), xs, **kw)
+            return (
+                jnp.sum(jnp.sin(h)) + jnp.sum(g) + jnp.sum(ys) + (m if with_max else 0)
+            )
+
+        return f
+
+    def while_loss(kw):
+        def f(h, g, k):
+            m = jnp.zeros((), dtype) if with_max else None
+
+            def body(c):
+                (h, k, g, m), _ = _guarded_step(c[:4], 0.25)
+                return h, k, g, m, c[4] + 1
+
+            init = (h, k, g, m, 0)
+            if kw is None:
+                out = lax.fori_loop(0, 3, lambda _, c: body(c), init)
+            else:
+                out = while_loop(lambda c: c[4] < 3, body, init, max_steps=5, **kw)
+            h, _, g, m, _ = out
+            return jnp.sum(jnp.sin(h)) + jnp.sum(g) + (m if with_max else 0)
+
+        return f
+
+    with jax.enable_x64(dtype == jnp.float64):
+        args = (jnp.linspace(-0.5, 0.5, 3, dtype=dtype), jnp.full(3, 0.2, dtype))
+        args = (*args, jnp.asarray(0.7, dtype))
+        for got_loss, want_loss in [
+            (scan_loss(scan, **kw), scan_loss(lax.scan)),
+            (while_loss(kw), while_loss(None)),
+        ]:
+            want = jax.grad(want_loss, (0, 1))(*args)
+            with _modes_seen() as seen:
+                got = jax.grad(got_loss, (0, 1))(*args)
+            assert seen == [mode]
+            _assert_tree_close(got, want, RTOL[dtype])

@@ -167,12 +167,14 @@ class _CallHandler(Handler):
             if k
         ]
         given = [x for x in known if x is not None]
+        perturbed = it.perturbed(step.eqn)
         ins, cts = run_plan(
             step.plan,
             body.jaxpr,
             consts + given,
             outs,
             None if step.custom else out_cts,
+            None if perturbed is None else [False] * len(consts) + perturbed,
         )
         if cts is not None:
             cts = cts[len(consts) :]
@@ -180,7 +182,7 @@ class _CallHandler(Handler):
             # The user's derivative rule, at the rebuilt inputs.
             rebuilt = iter(ins)
             full = [next(rebuilt) if x is None else x for x in known]
-            _, vjp = vjp_eqn(eqn, full)
+            _, vjp = vjp_eqn(eqn, full, perturbed)
             cts = vjp(out_cts) if vjp is not None else [None] * len(full)
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
         return cts
