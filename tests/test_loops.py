@@ -1143,8 +1143,6 @@ def _guarded_step(c, x):
     "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
 )
 def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_max, kw):
-    xs = jnp.linspace(0.1, 0.5, 4, dtype=dtype)
-
     def scan_loss(scan_fn, **kw):
         def f(h, g, k):
             m = jnp.zeros((), dtype) if with_max else None
@@ -1174,6 +1172,7 @@ def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_m
         return f
 
     with jax.enable_x64(dtype == jnp.float64):
+        xs = jnp.linspace(0.1, 0.5, 4, dtype=dtype)
         args = (jnp.linspace(-0.5, 0.5, 3, dtype=dtype), jnp.full(3, 0.2, dtype))
         args = (*args, jnp.asarray(0.7, dtype))
         for got_loss, want_loss in [
