@@ -13,16 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from revnet._engine import aval, revolve, show
 
 INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def strong(x: Any) -> jax.Array:
-    """``x`` as an array with a definite (not weak) dtype, as the loop carry."""
-    x = jnp.asarray(x)
-    return jnp.asarray(x, dtype=x.dtype)
 
 
 def avals(vars_: Any) -> list[Any]:
@@ -63,16 +58,19 @@ def check_callable(fname: str, arg: str, fun: Any) -> None:
 
 
 def promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
-    """The initial carry's leaves as arrays of definite (not weak) dtypes.
+    """The initial carry's leaves as arrays, promoted as ``lax.scan`` does.
 
     ``lax.scan`` and ``lax.while_loop`` let a weakly typed leaf of the initial
     carry (a Python scalar such as ``0`` or ``1.0``) take the dtype that the
     body returns for it (``0`` becomes float32 when the body adds a float32 to
-    it), and check the carry's type only after that promotion. This does the
-    same, by one abstract evaluation of ``fun(*leaves, *extra)``, which returns
-    the new carry's leaves, and only when a leaf is weak. When the body returns
-    a carry with another number of leaves nothing is promoted: the carry check
-    that follows reports it.
+    it), and check the carry's type only after that promotion. A weak leaf
+    whose dtype the body keeps stays weak (``lax.scan(f, 0, xs)`` with ``f``
+    returning ``c + 1`` returns a weak int32): under
+    ``jax.numpy_dtype_promotion("strict")`` the body may then add it to a
+    float. This does the same, by one abstract evaluation of
+    ``fun(*leaves, *extra)``, which returns the new carry's leaves, and only
+    when a leaf is weak. When the body returns a carry with another number of
+    leaves nothing is promoted: the carry check that follows reports it.
     """
     arrays = [jnp.asarray(x) for x in leaves]
     if any(getattr(a, "weak_type", False) for a in arrays):
@@ -81,10 +79,10 @@ def promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
             arrays = [
                 a
                 if not getattr(a, "weak_type", False) or a.dtype == o.dtype
-                else a.astype(jax.dtypes.result_type(a, o))
+                else lax.convert_element_type(a, jax.dtypes.result_type(a, o))
                 for a, o in zip(arrays, out)
             ]
-    return [strong(a) for a in arrays]
+    return arrays
 
 
 _NON_NEGATIVE = "a non-negative integer known at trace time (a Python or NumPy integer)"

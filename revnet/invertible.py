@@ -67,6 +67,7 @@ from revnet._engine import (
     expose,
     leaf_paths,
     not_invertible,
+    perturbed,
     trace,
 )
 
@@ -105,28 +106,33 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
         return eval_body(Body(jaxpr, ()), *consts, *args)
 
     def fwd(consts, args):
+        # Only the perturbed inputs are differentiated (symbolic zeros).
+        (consts, args), flags = perturbed.split_primals((consts, args))
         outs = eval_body(Body(exposed.jaxpr, ()), *consts, *args)
-        return outs[:n_out], (consts, outs)
+        return outs[:n_out], (consts, outs, perturbed.Flags(flags))
 
     def bwd(res, cts):
-        consts, outs = res
-        interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs))
-        cts = [*cotangents.drop_float0(cts), *[None] * exposed.n]
+        consts, outs, flags = res
+        interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs), flags.value)
+        cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
+        cts = [*cts, *[None] * exposed.n]
         with checks.scope() as sc:
             _, in_cts = interp.backward(cts, need_values=False)
         checks.raise_if_failed(sc)
         full = cotangents.fill(in_cts, [aval(v) for v in jaxpr.invars])
         return full[:n_consts], full[n_consts:]
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
 
 
 class _Invertible:
     def __init__(self, fun: Callable[..., Any], decisions: str, kinks: str):
+        # Names and docs only: copying ``fun.__dict__`` would replace ``self.fun``
+        # by a ``custom_ivjp``'s own ``fun`` and drop its inverse.
+        functools.update_wrapper(self, fun, updated=())
         self.fun = fun
         self.decisions, self.kinks = decisions, kinks
-        functools.update_wrapper(self, fun)
 
     def __call__(self, *args):
         fname = getattr(self.fun, "__name__", "function")
@@ -234,6 +240,25 @@ def invertible(
     return _Invertible(fun, decisions, kinks)
 
 
+def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
+    """Output ``n`` given to an inverse, as an array of the type ``fun`` returns.
+
+    Python scalars (and other weakly typed values) take the output's dtype
+    where JAX would give them that dtype (``1`` or ``2.5`` for a float32
+    output, not ``2.5`` for an int32 one); anything else must have its shape
+    and dtype already.
+    """
+    x = jnp.asarray(o)
+    dtype = jnp.result_type(x, want.dtype) if x.weak_type else x.dtype
+    if x.shape != tuple(want.shape) or dtype != want.dtype:
+        raise TypeError(
+            f"inverse of {fname}: output {n} should be "
+            f"{want.dtype}{list(want.shape)} as {fname} returns, got "
+            f"{dtype}{list(x.shape)}"
+        )
+    return x if x.dtype == want.dtype else x.astype(want.dtype)
+
+
 def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:
     """Returns the inverse of ``fun``: outputs -> tuple of positional inputs.
 
@@ -282,15 +307,10 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
                 f"inverse of {fname}: expected outputs with structure {out_tree}, got "
                 f"{tree}"
             )
-        for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars)):
-            want = aval(v)
-            got = (tuple(np.shape(o)), jnp.result_type(o))
-            if got[0] != tuple(want.shape) or got[1] != want.dtype:
-                raise TypeError(
-                    f"inverse of {fname}: output {n} should be "
-                    f"{want.dtype}{list(want.shape)} as {fname} returns, got "
-                    f"{got[1]}{list(got[0])}"
-                )
+        flat_out = [
+            _as_output(o, aval(v), n, fname)
+            for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars))
+        ]
         with checks.scope() as sc:
             values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
         checks.raise_if_failed(sc)

@@ -31,6 +31,7 @@ solver) and gives it an inverse, or a fused inverse-and-VJP rule. Inside an
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -97,33 +98,34 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         self.ivjp_fn: Callable[..., Any] | None = None
         self.__name__ = getattr(fun, "__name__", "custom_ivjp")
         self.__doc__ = getattr(fun, "__doc__", None)
-        self._vjp_fun = None
-        # (flat input shapes and dtypes) -> (in_tree, out_tree), recorded at each
-        # call so that the analysis can rebuild pytrees from a jaxpr equation;
-        # bounded, the most recently used shapes are kept.
+        # (in_tree, flat input shapes and dtypes) -> the _Signature of the calls
+        # of that type, each with its own jax.custom_vjp; bounded, the most
+        # recently used are kept. Nothing about one call is kept on ``self``:
+        # a backward pass reads its call's arity from its own signature.
         self.trees = LRU(_TREES_SIZE)
-        self._n_args = 0
+        self._lock = threading.Lock()
 
     def definverse(self, inverse: Callable[..., Any]) -> Callable[..., Any]:
         """Sets ``inverse(outputs) -> inputs`` (``inverse(consts, outputs)`` with
         constants); returns it, so it can be used as a decorator."""
         self.inverse_fn = inverse
-        self._vjp_fun = None
         return inverse
 
     def defivjp(self, ivjp: Callable[..., Any]) -> Callable[..., Any]:
         """Sets the fused rule ``ivjp(outputs, output_cts) -> (inputs, input_cts)``;
         returns it."""
         self.ivjp_fn = ivjp
-        self._vjp_fun = None
         return ivjp
 
-    # The pieces the interpreters use. ``consts`` is a tuple (maybe empty).
+    # The pieces the interpreters use (through a call's _Signature, which
+    # gives ``n_args``). ``consts`` is a tuple (maybe empty).
 
     def _call_rule(self, rule, consts, *rest):
         return rule(consts, *rest) if self.num_consts else rule(*rest)
 
-    def invert(self, consts: tuple, outputs: Any) -> tuple:
+    def invert(self, consts: tuple, outputs: Any, n_args: int) -> tuple:
+        """The inputs after the constants, rebuilt from ``outputs`` of a call
+        with ``n_args`` positional arguments."""
         if self.inverse_fn is not None:
             inputs = self._call_rule(self.inverse_fn, consts, outputs)
         elif self.ivjp_fn is not None:
@@ -134,17 +136,19 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
                 f"custom_ivjp function {self.__name__!r} has neither definverse nor "
                 "defivjp"
             )
-        return self._as_tuple(inputs, "inverse", self._n_args - self.num_consts)
+        return self._as_tuple(inputs, "inverse", n_args - self.num_consts)
 
-    def ivjp(self, consts: tuple, outputs: Any, cts: Any) -> tuple[tuple, tuple]:
+    def ivjp(
+        self, consts: tuple, outputs: Any, cts: Any, n_args: int
+    ) -> tuple[tuple, tuple]:
         """Rebuilds the inputs and returns ``(inputs, cotangents of all args)``."""
         if self.ivjp_fn is not None:
             inputs, in_cts = self._call_rule(self.ivjp_fn, consts, outputs, cts)
             return (
-                self._as_tuple(inputs, "ivjp", self._n_args - self.num_consts),
-                self._as_tuple(in_cts, "ivjp", self._n_args),
+                self._as_tuple(inputs, "ivjp", n_args - self.num_consts),
+                self._as_tuple(in_cts, "ivjp", n_args),
             )
-        inputs = self.invert(consts, outputs)
+        inputs = self.invert(consts, outputs, n_args)
         _, vjp = jax.vjp(self.fun, *consts, *inputs)
         return inputs, tuple(vjp(cts))
 
@@ -159,13 +163,15 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
                 f"{self.__name__} takes at least {self.num_consts} positional "
                 f"arguments (num_consts), got {len(args)}"
             )
-        if self._vjp_fun is None:
-            self._vjp_fun = self._make_vjp_fun()
         flat, in_tree = jax.tree_util.tree_flatten(args)
-        self._n_args = len(args)
-        out = self._vjp_fun(*args)
         key = tuple((tuple(np.shape(a)), str(jnp.result_type(a))) for a in flat)
-        self.trees.put(key, (in_tree, jax.tree_util.tree_structure(out)))
+        with self._lock:
+            sig = self.trees.get((in_tree, key))
+            if sig is None:
+                sig = _Signature(self, len(args), key, in_tree)
+                self.trees.put((in_tree, key), sig)
+        out = sig.vjp_fun(*args)
+        sig.record(jax.tree_util.tree_structure(out))
         return out
 
     def _as_tuple(self, x: Any, what: str, n: int) -> tuple:
@@ -180,15 +186,47 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
             )
         return tuple(x)
 
+
+class _Signature:
+    """The calls of a ``custom_ivjp`` function with one input type.
+
+    It holds the ``jax.custom_vjp`` those calls run, whose backward is tagged
+    with this object: the engine reads the call's equation through it
+    (``num_consts``, ``trees``: flat input shapes -> ``(in_tree, out_tree)``,
+    ``invert(consts, outputs)``, ``ivjp(consts, outputs, cts)``), and both the
+    engine and the backward pass get the call's arity from it, never from the
+    function object, which other calls (other threads) share.
+    """
+
+    def __init__(self, fn: custom_ivjp, n_args: int, key: tuple, in_tree: Any):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.num_consts = fn.num_consts
+        self.n_args = n_args
+        self.key = key
+        self.in_tree = in_tree
+        self.trees: dict = {}
+        self.vjp_fun = self._make_vjp_fun()
+
+    def record(self, out_tree: Any) -> None:
+        self.trees = {self.key: (self.in_tree, out_tree)}
+
+    def invert(self, consts: tuple, outputs: Any) -> tuple:
+        return self.fn.invert(consts, outputs, self.n_args)
+
+    def ivjp(self, consts: tuple, outputs: Any, cts: Any) -> tuple[tuple, tuple]:
+        return self.fn.ivjp(consts, outputs, cts, self.n_args)
+
     def _make_vjp_fun(self):
         nc = self.num_consts
+        fn = self.fn
 
         @jax.custom_vjp
         def f(*args):
-            return self.fun(*args)
+            return fn.fun(*args)
 
         def fwd(*args):
-            out = self.fun(*args)
+            out = fn.fun(*args)
             return out, (tuple(args[:nc]), out)
 
         def bwd(res, cts):

@@ -99,6 +99,49 @@ def test_user_rule_marked_elementwise_inverts_inside_where(elementwise):
         registry.unregister("sin")
 
 
+def _raises(outs, ins, **params):
+    raise RuntimeError("boom")
+
+
+def _wrong_type(outs, ins, **params):
+    return [outs[0].astype(jnp.int32)]
+
+
+def _wrong_count(outs, ins, **params):
+    return []
+
+
+@pytest.mark.parametrize(
+    "rule,reason",
+    [
+        (_raises, "its inverse rule raised RuntimeError: boom"),
+        (_wrong_type, "returned int32[3, 4] for an input of type float32[3, 4]"),
+        (_wrong_count, "returned list of 0, not a list of the equation's 1 inputs"),
+    ],
+    ids=["raises", "wrong_type", "wrong_count"],
+)
+def test_error_names_the_equation_whose_rule_failed_not_its_consequences(rule, reason):
+    def coupling(x1, x2):
+        y1 = x1 + jnp.tanh(x2)  # stuck only because x2 is not rebuilt
+        y2 = jnp.sin(x2) + y1  # the rule of sin fails here
+        return y1, y2
+
+    assert registry.get("sin") is None  # no built-in rule to restore
+    revnet.register_inverse("sin", rule)
+    try:
+        x = _x("float32")
+        with pytest.raises(revnet.NotInvertibleError) as info:
+            revnet.invertible(coupling)(x, x)
+    finally:
+        registry.unregister("sin")
+    msg = str(info.value)
+    assert "cannot solve `sin` at " in msg, msg
+    assert reason in msg, msg
+    line = coupling.__code__.co_firstlineno + 2
+    assert f"test_engine.py:{line}" in msg, msg
+    assert "operands are unknown" not in msg and "\n" not in msg
+
+
 # --------------------------------------------------------------------------- #
 # Plans keyed by structure: warm eager calls analyse nothing and print nothing.
 

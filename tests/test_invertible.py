@@ -279,3 +279,81 @@ def test_closed_over_keys_replay_dropout_exactly():
     grad = jax.vmap(jax.grad(loss, (0, 1, 2)), (None, None, None, 0, None))
     got = jax.jit(grad, static_argnums=4)(w, x, x, keys, True)
     assert_trees_close(got, grad(w, x, x, keys, False), 1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Regressions.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_inverse_accepts_python_scalar_outputs(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+
+        def f(x, k):
+            return 2.0 * x + jnp.sin(k), k + 1
+
+        x, k = jnp.asarray(0.75, dtype), jnp.int32(4)
+        y, j = f(x, k)
+        inv = revnet.inverse(f, x, k)
+        rtol = 1e-6 if dtype == jnp.float32 else 1e-12
+        for given in [(float(y), int(j)), (float(y), j), (y, int(j))]:
+            got = inv(given)
+            assert [a.dtype for a in got] == [jnp.dtype(dtype), jnp.dtype("int32")]
+            assert_trees_close(got, (x, k), rtol, "inverse")
+        # A Python int for a float output, as in ``x + 1``.
+        got = inv((1, j))
+        assert got[0].dtype == dtype
+        assert_trees_close(got, inv((jnp.ones((), dtype), j)), rtol, "inverse")
+        with pytest.raises(TypeError, match=r"output 1 should be int32\[\]"):
+            inv((float(y), 5.5))  # JAX would not make 5.5 an int32 either
+
+
+def test_invertible_of_a_custom_ivjp_function_uses_its_inverse():
+    calls = []
+
+    @revnet.custom_ivjp
+    def g(x):
+        return 2.0 * x + 1.0
+
+    @g.definverse
+    def _(y):
+        calls.append(1)
+        return (y - 1.0) / 2.0
+
+    for dtype in [jnp.float32, jnp.float64]:
+        with jax.enable_x64(dtype == jnp.float64):
+            x = jnp.linspace(-1.0, 1.0, 5, dtype=dtype)
+            for wrapped in [revnet.invertible(g), revnet.invertible(lambda x: g(x))]:
+                calls.clear()
+                got = jax.grad(lambda x: jnp.sum(jnp.sin(wrapped(x))))(x)
+                want = jax.grad(lambda x: jnp.sum(jnp.sin(2.0 * x + 1.0)))(x)
+                assert calls, "the user's inverse was not called"
+                assert_trees_close(got, want, 1e-5 if dtype == jnp.float32 else 1e-10)
+
+
+@jax.custom_jvp
+def _nondifferentiable(x):
+    return x
+
+
+def _nondifferentiable_jvp(primals, tangents):
+    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
+        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
+    return primals[0], tangents[0]
+
+
+_nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_invertible_does_not_differentiate_unperturbed_inputs(dtype):
+    def f(h, k):  # k is not differentiated: the guard sees no tangent
+        return h * 2.0 + jnp.tanh(_nondifferentiable(k)), k
+
+    with jax.enable_x64(dtype == jnp.float64):
+        h, k = jnp.linspace(-0.5, 0.5, 3, dtype=dtype), jnp.full(3, 0.3, dtype)
+        loss = lambda f: lambda h, k: jnp.sum(jnp.sin(f(h, k)[0]))  # noqa: E731
+        got = jax.grad(loss(revnet.invertible(f)))(h, k)
+        assert_trees_close(
+            got, jax.grad(loss(f))(h, k), 1e-5 if dtype == jnp.float32 else 1e-10
+        )

@@ -416,3 +416,99 @@ def test_inverse_rules_accept_unknown_params():
     rule = registry.get("exp")
     out = rule.solve([jnp.ones(2)], [None], accuracy=None, some_future_param=1)
     np.testing.assert_allclose(out[0], 0.0)
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: custom_ivjp closing over arrays, and called at several arities.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_custom_ivjp_closing_over_concrete_arrays_inverts_inside_invertible(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        w = jnp.linspace(0.5, 2.0, 4, dtype=dtype)  # hoisted by JAX as a constant
+        calls = []
+
+        @revnet.custom_ivjp
+        def scale(x):
+            return x * w
+
+        @scale.definverse
+        def _(y):
+            calls.append(1)
+            return y / w
+
+        def net(a, b):
+            return scale(a) + jnp.tanh(b), b
+
+        def plain(a, b):
+            return a * w + jnp.tanh(b), b
+
+        a, b = _normal(0, (4,), dtype), _normal(1, (4,), dtype)
+        rtol = 1e-5 if dtype == jnp.float32 else 1e-10
+        loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)[0]) * f(a, b)[1])  # noqa: E731
+        got = jax.grad(loss(revnet.invertible(net)), (0, 1))(a, b)
+        assert calls, "the user's inverse was not called"
+        assert_trees_close(got, jax.grad(loss(plain), (0, 1))(a, b), rtol)
+        assert_trees_close(revnet.inverse(net, a, b)(net(a, b)), (a, b), rtol)
+
+
+def test_custom_ivjp_closing_over_a_value_traced_inside_is_refused_clearly():
+    def net(a, b):
+        w = jnp.exp(b)  # a tracer of the function being inverted
+
+        @revnet.custom_ivjp
+        def scale(x):
+            return x * w
+
+        scale.definverse(lambda y: y / w)
+        return scale(a), b
+
+    x = jnp.ones(3)
+    with pytest.raises(revnet.NotInvertibleError, match="'scale' closes over a traced"):
+        jax.grad(lambda a, b: jnp.sum(revnet.invertible(net)(a, b)[0]))(x, x)
+
+
+def _doubling():
+    """A variadic custom_ivjp: one array in, one out; several in, a tuple out."""
+
+    @revnet.custom_ivjp
+    def double(*xs):
+        return 2.0 * xs[0] if len(xs) == 1 else tuple(2.0 * x for x in xs)
+
+    @double.definverse
+    def _(ys):
+        return ys / 2.0 if not isinstance(ys, tuple) else tuple(y / 2.0 for y in ys)
+
+    return double
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_custom_ivjp_backward_uses_the_arity_of_its_own_call(first):
+    double = _doubling()
+    x = jnp.linspace(-1.0, 1.0, 3)
+    args = (x,) * first
+    out, vjp = jax.vjp(double, *args)
+    double(*(x,) * (3 - first))  # another arity, between forward and backward
+    got = vjp(jax.tree_util.tree_map(jnp.ones_like, out))
+    assert_trees_close(got, (jnp.full(3, 2.0),) * first, 1e-6)
+
+
+def test_custom_ivjp_called_from_threads_at_two_arities():
+    import concurrent.futures
+
+    double = _doubling()
+    x = jnp.linspace(-1.0, 1.0, 3)
+
+    def work(n):
+        k = 1 + n % 2
+        results = []
+        for _ in range(10):
+            out, vjp = jax.vjp(double, *(x,) * k)
+            results.append(vjp(jax.tree_util.tree_map(jnp.ones_like, out)))
+        return k, results
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(work, range(16)))
+    for k, results in done:
+        for got in results:
+            assert_trees_close(got, (jnp.full(3, 2.0),) * k, 1e-6)

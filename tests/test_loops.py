@@ -9,6 +9,7 @@ programs (``memory_analysis``, ``cost_analysis``), never on wall time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import haiku as hk
@@ -893,3 +894,293 @@ def test_a_new_callback_in_the_same_body_is_called_not_the_cached_one():
         )
     jax.effects_barrier()
     assert calls == {"a": 5, "b": 5}
+
+
+# --------------------------------------------------------------------------- #
+# Regressions: weak types, unperturbed leaves, zero-length scans.
+
+
+@contextlib.contextmanager
+def _modes_seen():
+    """The backward modes chosen by the loops inside the block."""
+    from revnet._engine import modes
+
+    seen, choose = [], modes.choose
+
+    def record(*args, **kwargs):
+        mode = choose(*args, **kwargs)
+        seen.append(mode.kind)
+        return mode
+
+    modes.choose = record
+    try:
+        yield seen
+    finally:
+        modes.choose = choose
+
+
+def _types(tree):
+    # lax.scan may give back an unchanged Python scalar leaf as it is.
+    return jax.tree_util.tree_map(lambda a: _dtype_weak(jnp.asarray(a)), tree)
+
+
+def _dtype_weak(a):
+    return a.dtype, a.weak_type
+
+
+def _weak_step(i, h, s, m, x, with_max):
+    """A step whose carry holds a Python int ``i`` and a Python float ``s``
+    (weak, and kept weak by the step) meeting float arrays."""
+    h = h + jnp.tanh(x * s + i)
+    return i + 1, h, s * 1.5, jnp.maximum(m, jnp.max(h)) if with_max else m
+
+
+_WEAK_MODES = [
+    ("invert", False, {}),
+    ("store", True, {}),
+    ("checkpoint", True, {"invert": False}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, kw):
+    def body(c, x):
+        c = _weak_step(*c, x, with_max)
+        return c, c[1] * c[2]
+
+    def run(scan_fn, **kw):
+        def f(h, s):
+            return scan_fn(
+                body, (0, h, s, 0.0), jnp.linspace(0.1, 0.5, 4, dtype=dtype), **kw
+            )
+
+        return f
+
+    def loss(f):
+        def g(h, s):
+            (_, h, s, m), ys = f(h, s)
+            return jnp.sum(jnp.sin(h) * m) + jnp.sum(ys) + s
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
+        h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
+        want = jax.tree_util.tree_map(jnp.asarray, run(lax.scan)(h0, 0.7))
+        with _modes_seen() as seen:
+            got = run(scan, **kw)(h0, 0.7)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(lax.scan)), (0, 1))(h0, 0.7)
+        g_got = jax.grad(loss(run(scan, **kw)), (0, 1))(h0, 0.7)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_while_loop_keeps_weak_types_of_python_scalar_carries(
+    dtype, mode, with_max, kw
+):
+    def body(c):
+        return _weak_step(*c, 0.25, with_max)
+
+    def run(kw):
+        def f(h, s):
+            init = (0, h, s, 0.0)
+            if kw is None:
+                return lax.fori_loop(0, 3, lambda _, c: body(c), init)
+            return while_loop(lambda c: c[0] < 3, body, init, max_steps=5, **kw)
+
+        return f
+
+    def loss(f):
+        def g(h, s):
+            _, h, s, m = f(h, s)
+            return jnp.sum(jnp.sin(h) * m) + s
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
+        h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
+        want = jax.tree_util.tree_map(jnp.asarray, run(None)(h0, 0.7))
+        with _modes_seen() as seen:
+            got = run(kw)(h0, 0.7)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(None)), (0, 1))(h0, 0.7)
+        g_got = jax.grad(loss(run(kw)), (0, 1))(h0, 0.7)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+def _zero_step(c, x, w):
+    a, m = c
+    a = a + jnp.sin(m * w) * x
+    return (a, m), a * w
+
+
+def _zero_step_max(c, x, w):
+    a, m = c
+    a = a + jnp.sin(m * w) * x
+    return (a, jnp.maximum(m, jnp.max(a))), a * w
+
+
+_ZERO_MODES = [
+    ("invert", _zero_step, {}),
+    ("store", _zero_step_max, {}),
+    ("checkpoint", _zero_step_max, {"invert": False}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("with_xs", [True, False], ids=["xs", "length"])
+@pytest.mark.parametrize("mode,step,kw", _ZERO_MODES, ids=[m[0] for m in _ZERO_MODES])
+def test_zero_length_scan_behaves_as_lax_scan(dtype, with_xs, mode, step, kw):
+    def run(scan_fn, **kw):
+        def f(a, m, xs, w):
+            body = functools.partial(step, w=w)
+            if with_xs:
+                return scan_fn(body, (a, m), xs, **kw)
+            return scan_fn(lambda c, _: body(c, 0.5), (a, m), None, length=0, **kw)
+
+        return f
+
+    def loss(f):
+        def g(*args):
+            (a, m), ys = f(*args)
+            return jnp.sum(jnp.sin(a)) + jnp.sum(m**2) + jnp.sum(ys)
+
+        return g
+
+    with jax.enable_x64(dtype == jnp.float64):
+        args = (
+            jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
+            jnp.asarray(0.7, dtype),
+            jnp.zeros((0, 3), dtype),
+            jnp.asarray(1.3, dtype),
+        )
+        want = run(lax.scan)(*args)
+        with _modes_seen() as seen:
+            got = run(scan, **kw)(*args)
+        assert seen == [mode]
+        assert _types(got) == _types(want)
+        _assert_tree_close(got, want, RTOL[dtype])
+        g_want = jax.grad(loss(run(lax.scan)), (0, 1, 2, 3))(*args)
+        g_got = jax.grad(loss(run(scan, **kw)), (0, 1, 2, 3))(*args)
+        assert _types(g_got) == _types(g_want)
+        _assert_tree_close(g_got, g_want, RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("mode,step,kw", _ZERO_MODES, ids=[m[0] for m in _ZERO_MODES])
+def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
+    def run(**kw):
+        def f(a, m, w):
+            def body(c):
+                (a, m), _ = step(c[:2], 0.5, w)
+                return a, m, c[2] + 1
+
+            return while_loop(lambda c: c[2] < 3, body, (a, m, 0), max_steps=0, **kw)
+
+        return f
+
+    with jax.enable_x64(dtype == jnp.float64):
+        args = (
+            jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
+            jnp.asarray(0.7, dtype),
+            jnp.asarray(1.3, dtype),
+        )
+        with _modes_seen() as seen:
+            got = run(**kw)(*args)
+        assert seen == [mode]
+        _assert_tree_close(got, (args[0], args[1], jnp.asarray(0)), RTOL[dtype])
+
+        def loss(a, m, w):
+            a, m, _ = run(**kw)(a, m, w)
+            return jnp.sum(jnp.sin(a)) + m**2
+
+        g = jax.grad(loss, (0, 1, 2))(*args)
+        _assert_tree_close(
+            g, (jnp.cos(args[0]), 2 * args[1], jnp.zeros((), dtype)), RTOL[dtype]
+        )
+
+
+@jax.custom_jvp
+def _nondifferentiable(x):
+    """As Equinox's ``nondifferentiable``: raises on a tangent that is not a
+    symbolic zero."""
+    return x
+
+
+def _nondifferentiable_jvp(primals, tangents):
+    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
+        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
+    return primals[0], tangents[0]
+
+
+_nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
+
+
+def _guarded_step(c, x):
+    h, k, g, m = c
+    # k is not differentiated (not in argnums), g only under stop_gradient.
+    h = h + jnp.tanh(
+        x * _nondifferentiable(k) + _nondifferentiable(lax.stop_gradient(g))
+    )
+    m = jnp.maximum(m, jnp.max(h)) if m is not None else None
+    return (h, k * 1.5, g + h, m), h
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
+)
+def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_max, kw):
+    def scan_loss(scan_fn, **kw):
+        def f(h, g, k):
+            m = jnp.zeros((), dtype) if with_max else None
+            (h, _, g, m), ys = scan_fn(_guarded_step, (h, k, g, m), xs, **kw)
+            return (
+                jnp.sum(jnp.sin(h)) + jnp.sum(g) + jnp.sum(ys) + (m if with_max else 0)
+            )
+
+        return f
+
+    def while_loss(kw):
+        def f(h, g, k):
+            m = jnp.zeros((), dtype) if with_max else None
+
+            def body(c):
+                (h, k, g, m), _ = _guarded_step(c[:4], 0.25)
+                return h, k, g, m, c[4] + 1
+
+            init = (h, k, g, m, 0)
+            if kw is None:
+                out = lax.fori_loop(0, 3, lambda _, c: body(c), init)
+            else:
+                out = while_loop(lambda c: c[4] < 3, body, init, max_steps=5, **kw)
+            h, _, g, m, _ = out
+            return jnp.sum(jnp.sin(h)) + jnp.sum(g) + (m if with_max else 0)
+
+        return f
+
+    with jax.enable_x64(dtype == jnp.float64):
+        xs = jnp.linspace(0.1, 0.5, 4, dtype=dtype)
+        args = (jnp.linspace(-0.5, 0.5, 3, dtype=dtype), jnp.full(3, 0.2, dtype))
+        args = (*args, jnp.asarray(0.7, dtype))
+        for got_loss, want_loss in [
+            (scan_loss(scan, **kw), scan_loss(lax.scan)),
+            (while_loss(kw), while_loss(None)),
+        ]:
+            want = jax.grad(want_loss, (0, 1))(*args)
+            with _modes_seen() as seen:
+                got = jax.grad(got_loss, (0, 1))(*args)
+            assert seen == [mode]
+            _assert_tree_close(got, want, RTOL[dtype])

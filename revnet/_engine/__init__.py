@@ -16,6 +16,7 @@ from revnet._engine import (
     cotangents,
     layout,  # noqa: F401  (registers the convolution evaluator)
     modes,
+    perturbed,
     registry,
     revolve,
     select,  # noqa: F401  (registers its rules)
@@ -68,6 +69,7 @@ __all__ = [
     "leaf_paths",
     "modes",
     "not_invertible",
+    "perturbed",
     "show",
     "register_inverse",
     "registry",

@@ -27,7 +27,15 @@ import numpy as np
 
 from revnet._engine import fingerprint, registry
 from revnet._engine import jaxpr as jx
-from revnet._engine.errors import Failure, NotInvertibleError, Stuck
+from revnet._engine.errors import (
+    BROKEN,
+    REFUSED,
+    WAITING,
+    Failure,
+    NotInvertibleError,
+    RuleError,
+    Stuck,
+)
 from revnet._engine.plan import Forward, Plan, Solve, var_avals, wiring
 
 # Values computed from literals only are folded at trace time up to this size.
@@ -101,7 +109,12 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
     """
     in_avals = [jx.aval(v) for v in eqn.invars]
     statics = [static_value(n) if k else None for n, k in enumerate(ins)]
-    rule.run_check(statics, eqn.params, in_avals)
+    try:
+        rule.run_check(statics, eqn.params, in_avals)
+    except NotInvertibleError:
+        raise
+    except Exception as e:
+        raise RuleError(f"its inverse rule's check raised {_describe(e)}") from e
 
     def go(outs, known):
         it = iter(known)
@@ -117,13 +130,30 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
     except NotInvertibleError:
         raise
     except Exception as e:  # a rule that cannot trace on these shapes
-        raise NotInvertibleError(f"its inverse rule failed: {e}") from e
+        raise RuleError(f"its inverse rule raised {_describe(e)}") from e
+    if not isinstance(result, (list, tuple)) or len(result) != len(ins):
+        raise RuleError(
+            f"its inverse rule returned {type(result).__name__}"
+            f"{f' of {len(result)}' if isinstance(result, (list, tuple)) else ''}"
+            f", not a list of the equation's {len(ins)} inputs"
+        )
     for a, k, r in zip(in_avals, ins, result):
-        if not k and (tuple(r.shape) != tuple(a.shape) or r.dtype != a.dtype):
-            raise NotInvertibleError(
-                f"its inverse rule returned {r.dtype}{list(r.shape)} for an input "
-                f"of type {a.dtype}{list(a.shape)}"
+        if not k and (
+            not hasattr(r, "shape")
+            or tuple(r.shape) != tuple(a.shape)
+            or r.dtype != a.dtype
+        ):
+            got = f"{r.dtype}{list(r.shape)}" if hasattr(r, "shape") else repr(r)
+            raise RuleError(
+                f"its inverse rule returned {got} for an input of type "
+                f"{a.dtype}{list(a.shape)}"
             )
+
+
+def _describe(e: Exception) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Analysis:
@@ -167,8 +197,15 @@ class Analysis:
             return jx.literal_value(self.jaxpr.eqns[i].invars[n])
         return self.static.get(v)
 
-    def fail(self, i: int, eqn: Any, reason: str, inner: Failure | None = None):
-        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner)
+    def fail(
+        self,
+        i: int,
+        eqn: Any,
+        reason: str,
+        inner: Failure | None = None,
+        rank: int = REFUSED,
+    ):
+        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner, rank)
 
     def distinct_unknowns(self, i: int, eqn: Any, ins: Sequence[bool]) -> bool:
         """False (and a failure) when one unknown value is used twice."""
@@ -204,7 +241,15 @@ class Analysis:
             if not k and v not in self.known
         ]
         if unknown:
-            best = self.failures[min(self.failures)] if self.failures else None
+            # A rule that broke, else a refusal, explains more than an equation
+            # stuck for want of known operands (often their consequence); then
+            # the failure closest to the inputs.
+            best = None
+            if self.failures:
+                first = min(
+                    self.failures, key=lambda i: (self.failures[i].severity(), i)
+                )
+                best = self.failures[first]
             raise Stuck(best, unknown)
         return Plan(
             w, self.known_in, self.known_out, tuple(self.steps), dict(self.producer)
@@ -265,8 +310,13 @@ class Analysis:
             return None
         try:
             abstract_solve(rule, eqn, ins, lambda n: self.static_value(i, n))
+        except RuleError as e:
+            self.fail(i, eqn, str(e), rank=BROKEN)
+            return None
         except NotInvertibleError as e:
-            self.fail(i, eqn, str(e))
+            # A refusal with several unknown inputs may only be waiting for them.
+            waiting = sum(not k for k in ins) > 1
+            self.fail(i, eqn, str(e), rank=WAITING if waiting else REFUSED)
             return None
         unknown = tuple(n for n, k in enumerate(ins) if not k)
         produced = [self.wiring.eqn_ins[i][n] for n in unknown]

@@ -17,12 +17,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 from revnet._engine import analysis, checks, registry, select
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
-from revnet._engine.errors import Stuck, degenerate
+from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
 from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
 from revnet._engine.plan import Call, Custom
 
@@ -113,21 +115,23 @@ class CallRule(registry.StructuralRule):
             return None
         in_tree, out_tree = trees
         n_const = sum(c.num_leaves for c in in_tree.children()[: fn.num_consts])
+        # JAX hoists the values the function closes over as the leading
+        # ``num_consts`` inputs: known ones are constants of the inversion.
         nh = jx.custom_vjp_num_consts(eqn)
-        if nh:
+        if not all(ins[:nh]):
             an.fail(
                 i,
                 eqn,
-                f"custom_ivjp function {name!r} closes over traced values; pass "
-                "them as leading arguments with num_consts",
+                f"custom_ivjp function {name!r} closes over a value computed from "
+                "the inputs being rebuilt; pass it as an argument instead",
             )
             return None
-        if not all(ins[:n_const]):
+        if not all(ins[nh : nh + n_const]):
             an.fail(
                 i, eqn, f"the constants of custom_ivjp function {name!r} are unknown"
             )
             return None
-        unknown = tuple(range(n_const, len(ins)))
+        unknown = tuple(range(nh + n_const, len(ins)))
         step = Custom(i, unknown, nh, n_const, in_tree, out_tree)
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
 
@@ -163,12 +167,14 @@ class _CallHandler(Handler):
             if k
         ]
         given = [x for x in known if x is not None]
+        perturbed = it.perturbed(step.eqn)
         ins, cts = run_plan(
             step.plan,
             body.jaxpr,
             consts + given,
             outs,
             None if step.custom else out_cts,
+            None if perturbed is None else [False] * len(consts) + perturbed,
         )
         if cts is not None:
             cts = cts[len(consts) :]
@@ -176,7 +182,7 @@ class _CallHandler(Handler):
             # The user's derivative rule, at the rebuilt inputs.
             rebuilt = iter(ins)
             full = [next(rebuilt) if x is None else x for x in known]
-            _, vjp = vjp_eqn(eqn, full)
+            _, vjp = vjp_eqn(eqn, full, perturbed)
             cts = vjp(out_cts) if vjp is not None else [None] * len(full)
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
         return cts
@@ -201,11 +207,13 @@ class _CustomHandler(Handler):
         )
         outputs = jax.tree_util.tree_unflatten(step.out_tree, outs)
         cts = None
-        if out_cts is None:
-            ins = jax.tree_util.tree_leaves(fn.invert(consts, outputs))
-        else:
-            tree_cts = jax.tree_util.tree_unflatten(step.out_tree, list(out_cts))
-            inputs, in_cts = fn.ivjp(consts, outputs, tree_cts)
+        with _closure_errors(fn, step.n_hoisted):
+            if out_cts is None:
+                ins = jax.tree_util.tree_leaves(fn.invert(consts, outputs))
+            else:
+                tree_cts = jax.tree_util.tree_unflatten(step.out_tree, list(out_cts))
+                inputs, in_cts = fn.ivjp(consts, outputs, tree_cts)
+        if out_cts is not None:
             in_cts = ct.float0_for_ints((*consts, *inputs), in_cts)
             flat = jax.tree_util.tree_leaves(in_cts, is_leaf=lambda x: x is None)
             ins = jax.tree_util.tree_leaves(inputs)
@@ -215,6 +223,28 @@ class _CustomHandler(Handler):
         )
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
         return cts
+
+
+@contextlib.contextmanager
+def _closure_errors(fn, n_hoisted: int):
+    """Names what happened when a user's rule uses a value that was traced.
+
+    A ``custom_ivjp`` function may close over values (JAX hoists them as the
+    leading inputs of its ``custom_vjp_call``): concrete arrays are constants
+    of the inversion, but a value computed inside the traced function is a
+    tracer of that trace, which the user's rule cannot use once it is over.
+    """
+    try:
+        yield
+    except jax.errors.UnexpectedTracerError:
+        if not n_hoisted:
+            raise
+        raise NotInvertibleError(
+            f"custom_ivjp function {fn.__name__!r} closes over a traced value "
+            "(computed inside the function being inverted, or being "
+            "differentiated) that its inverse rule uses after that trace has "
+            "ended; pass the value as a leading argument with num_consts instead"
+        ) from None
 
 
 registry.register_structural(jx.call_primitive_names(), CallRule())

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def is_float_aval(a: Any) -> bool:
@@ -32,8 +33,13 @@ def is_float0(c: Any) -> bool:
 
 
 def zeros(a: Any) -> Any:
-    """A zero cotangent for ``a``: ``float0`` when ``a`` is not a float."""
+    """A zero cotangent for ``a``: ``float0`` when ``a`` is not a float; weakly
+    typed when ``a`` is (as JAX's own zero cotangents)."""
     if is_float_aval(a):
+        if getattr(a, "weak_type", False):
+            z = lax.full(a.shape, 0j if jnp.iscomplexobj(a) else 0.0)
+            if z.dtype == a.dtype:
+                return z
         return jnp.zeros(a.shape, a.dtype)
     return np.zeros(a.shape, jax.dtypes.float0)
 
@@ -83,13 +89,20 @@ def vjp(
     args: Sequence[Any],
     out_avals: Sequence[Any],
     out_cts: Sequence[Any],
+    perturbed: Sequence[bool] | None = None,
 ) -> list:
     """Input cotangents of ``fun(*args)`` (a list of arrays) given ``out_cts``.
 
     Only float inputs and outputs take part: the other inputs get None, and
-    the cotangents of non-float outputs (and None ones) are ignored.
+    the cotangents of non-float outputs (and None ones) are ignored. With
+    ``perturbed``, only those inputs are differentiated (the others have
+    symbolic zero tangents) and get cotangents.
     """
-    fi = [n for n, a in enumerate(args) if is_float(a)]
+    fi = [
+        n
+        for n, a in enumerate(args)
+        if is_float(a) and (perturbed is None or perturbed[n])
+    ]
     fo = [n for n, a in enumerate(out_avals) if is_float_aval(a)]
     res: list = [None] * len(args)
     if not fi or not fo:

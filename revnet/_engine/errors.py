@@ -25,14 +25,35 @@ class NotInvertibleError(ValueError):
     """
 
 
+class RuleError(NotInvertibleError):
+    """A rule that failed to run (raised, or returned a value of the wrong type)."""
+
+
+# How much a failure explains, most first: a rule that broke; a refusal; an
+# equation stuck only for want of known values (several unknown operands),
+# which is usually a consequence of another failure.
+BROKEN, REFUSED, WAITING = 0, 1, 2
+
+
 @dataclasses.dataclass
 class Failure:
-    """Why one equation could not be solved (``inner``: inside its body)."""
+    """Why one equation could not be solved (``inner``: inside its body).
+
+    ``rank`` is one of :data:`BROKEN`, :data:`REFUSED`, :data:`WAITING`.
+    """
 
     eqn: Any
     reason: str
     where: str
     inner: Failure | None = None
+    rank: int = REFUSED
+
+    def severity(self) -> int:
+        """The rank of the deepest failure: the one that is reported."""
+        f = self
+        while f.inner is not None:
+            f = f.inner
+        return f.rank
 
     def describe(self) -> tuple[str, str, str]:
         """``(primitive text, reason, source line)`` of the deepest failure."""

@@ -24,6 +24,7 @@ import jax
 from revnet._engine import checks, registry
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
+from revnet._engine import perturbed as pb
 from revnet._engine.errors import degenerate
 from revnet._engine.plan import Forward, Plan, Solve
 
@@ -89,18 +90,22 @@ def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def vjp_eqn(eqn: Any, ins: Sequence[Any]):
-    """Evaluates ``eqn`` with ``jax.vjp`` over its float inputs.
+def vjp_eqn(eqn: Any, ins: Sequence[Any], perturbed: Sequence[bool] | None = None):
+    """Evaluates ``eqn`` with ``jax.vjp`` over its float (perturbed) inputs.
 
     Returns ``(outs, vjp)`` where ``vjp(out_cts)`` gives one cotangent (or None)
     per input; ``vjp`` is None when no cotangent can flow (no float input or
     output, or a derivative that is identically zero, such as ``stop_gradient``
     in ``jax.nn.softmax``: plain autodiff sends no cotangent there either).
+    With ``perturbed``, only those inputs are differentiated: the others have
+    symbolic zero tangents, as in JAX (:mod:`.perturbed`).
     """
     float_in = [
         n
         for n, v in enumerate(eqn.invars)
-        if not jx.is_literal(v) and ct.is_float_aval(jx.aval(v))
+        if not jx.is_literal(v)
+        and ct.is_float_aval(jx.aval(v))
+        and (perturbed is None or perturbed[n])
     ]
     if (
         not float_in
@@ -129,8 +134,14 @@ def vjp_eqn(eqn: Any, ins: Sequence[Any]):
 class Interpreter:
     """Runs a :class:`Plan` on ``jaxpr``; one instance per (nested) evaluation."""
 
-    def __init__(self, plan: Plan, jaxpr: Any, known_in_vals, out_vals):
+    def __init__(self, plan: Plan, jaxpr: Any, known_in_vals, out_vals, perturbed=None):
+        """``perturbed``: which inputs are differentiated (None: every float)."""
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
+        self.active = None  # variable ids a perturbation reaches; None: all
+        if perturbed is not None:
+            reached = pb.active_vars(jaxpr, perturbed)
+            ids = _ids(jaxpr)
+            self.active = {ids[v] for v in reached}
         self.env: dict = {}
         it = iter(known_in_vals)
         for v, k in zip(self.wiring.invars, plan.known_in):
@@ -144,6 +155,12 @@ class Interpreter:
                     self.env[v] = val
         self.vjps: dict = {}  # eqn index -> vjp function from a forward step
         self.done: set = set()  # indices of steps already run
+
+    def perturbed(self, i: int) -> list[bool] | None:
+        """Which inputs of equation ``i`` are perturbed (None: all)."""
+        if self.active is None:
+            return None
+        return [v is not None and v in self.active for v in self.wiring.eqn_ins[i]]
 
     # -- values ---------------------------------------------------------------- #
 
@@ -239,7 +256,7 @@ class Interpreter:
                     in_cts = self.run(steps[s], got)
                 else:
                     ins = [self.read_in(i, n) for n in range(len(eqn.invars))]
-                    _, vjp = vjp_eqn(eqn, ins)
+                    _, vjp = vjp_eqn(eqn, ins, self.perturbed(i))
                     in_cts = vjp(got) if vjp is not None else [None] * len(ins)
             for v, a, c in zip(w.eqn_ins[i], eqn.invars, in_cts):
                 if v is None or c is None or ct.is_float0(c):
@@ -250,13 +267,29 @@ class Interpreter:
         return (self.values() if need_values else None), in_cts
 
 
-def run_plan(plan: Plan, jaxpr: Any, known_in_vals, out_vals, out_cts=None):
+def _ids(jaxpr: Any) -> dict:
+    """Each variable of ``jaxpr`` to its id in the plan's wiring."""
+    ids: dict = {}
+    for v in jaxpr.invars:
+        ids[v] = len(ids)
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            if not jx.is_dropvar(v):
+                ids[v] = len(ids)
+    return ids
+
+
+def run_plan(
+    plan: Plan, jaxpr: Any, known_in_vals, out_vals, out_cts=None, perturbed=None
+):
     """Rebuilds a plan's unknown inputs; with ``out_cts`` also all input cts.
+
+    ``perturbed``: which inputs are differentiated (None: every float one).
 
     Returns:
       ``(values of the unknown inputs, input cotangents or None)``.
     """
-    interp = Interpreter(plan, jaxpr, known_in_vals, out_vals)
+    interp = Interpreter(plan, jaxpr, known_in_vals, out_vals, perturbed)
     if out_cts is None:
         return interp.values(), None
     return interp.backward(out_cts, need_values=True)
@@ -269,7 +302,8 @@ class _ForwardHandler(Handler):
     def run(self, it, step, out_cts):
         i = step.eqn
         eqn = it.jaxpr.eqns[i]
-        outs, vjp = vjp_eqn(eqn, [it.read_in(i, n) for n in range(len(eqn.invars))])
+        ins = [it.read_in(i, n) for n in range(len(eqn.invars))]
+        outs, vjp = vjp_eqn(eqn, ins, it.perturbed(i))
         it.set(it.wiring.eqn_outs[i], outs)
         if vjp is not None:
             it.vjps[i] = vjp

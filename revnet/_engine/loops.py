@@ -33,6 +33,7 @@ from jax import lax
 
 from revnet._engine import anchors as anc
 from revnet._engine import checks, cotangents, fingerprint, revolve
+from revnet._engine import perturbed as pb
 from revnet._engine.analysis import LRU
 from revnet._engine.calls import LoopTag
 from revnet._engine.interpreter import evaluate, run_plan
@@ -166,8 +167,10 @@ def _while_forward(
                 marks = anc.keep(marks, c, n, every)
             return n + 1, eval_body(body, *bk, *c), bufs, marks
 
+        # At least one row: a loop bounded by 0 steps writes none, but its
+        # (never run) step must still trace.
         bufs = [
-            jnp.zeros((bound, *jnp.shape(x)), x.dtype)
+            jnp.zeros((max(bound, 1), *jnp.shape(x)), x.dtype)
             for x in stored_leaves(carry, stored)
         ]
         marks = []
@@ -205,11 +208,14 @@ def _make_while(
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
+        (bk, ck, carry), flags = pb.split_primals((bk, ck, carry))
         n, final, bufs, marks = anchored(bk, ck, carry)
-        return final, (bk, final, n, bufs, marks)
+        return final, (bk, final, n, bufs, marks, pb.Flags(flags))
 
     def bwd(res, cts):
-        bk, final, n, bufs, marks = res
+        bk, final, n, bufs, marks, flags = res
+        cts = pb.drop_symbolic_zeros(cts)
+        perturbed = _body_perturbed(body_jaxpr, nk, flags.value)
         anchors = None if every is None else anc.Anchors(every, marks, report)
         hooks = tuple(step_hooks)
 
@@ -225,7 +231,7 @@ def _make_while(
             kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
             with checks.scope() as sc:
                 prev, in_cts = run_plan(
-                    plan, body_jaxpr, list(bk) + kept, list(c), list(ctc)
+                    plan, body_jaxpr, list(bk) + kept, list(c), list(ctc), perturbed
                 )
             bad = checks.merge(bad, sc, messages)
             in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals)
@@ -256,8 +262,16 @@ def _make_while(
         )
 
     tag(bwd, LoopTag("while_loop"))  # recognised by the analysis
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
+
+
+def _body_perturbed(body_jaxpr, nk: int, flags) -> list[bool]:
+    """Which inputs of a while loop's body are differentiated, given the flags
+    of the loop's inputs (body constants, condition constants, carry)."""
+    nc = len(body_jaxpr.invars) - nk
+    p_k, p_c = list(flags[:nk]), flags[len(flags) - nc :]
+    return p_k + pb.loop_carry(body_jaxpr, p_k, p_c, [])
 
 
 def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
@@ -271,11 +285,14 @@ def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
         return forward(bk, ck, carry)[1]
 
     def fwd(bk, ck, carry):
+        (bk, ck, carry), flags = pb.split_primals((bk, ck, carry))
         n, final, _, _ = forward(bk, ck, carry)
-        return final, (bk, list(carry), n)
+        return final, (bk, list(carry), n, pb.Flags(flags))
 
     def bwd(res, cts):
-        bk, init, n = res
+        bk, init, n, flags = res
+        cts = pb.drop_symbolic_zeros(cts)
+        perturbed = _body_perturbed(body_jaxpr, nk, flags.value)
 
         def step(*args):
             return evaluate(body_jaxpr, args)
@@ -285,7 +302,7 @@ def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
 
         def vjp_step(t, c, state):
             ctc, ctk = state
-            in_cts = cotangents.vjp(step, [*bk, *c], c_avals, ctc)
+            in_cts = cotangents.vjp(step, [*bk, *c], c_avals, ctc, perturbed)
             in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals)
             return in_cts[nk:], cotangents.add_into(ctk, in_cts[:nk])
 
@@ -301,5 +318,5 @@ def _checkpointed_while(body_jaxpr, cond_jaxpr, nk: int, forward, slots: int):
         )
 
     tag(bwd, LoopTag("while_loop"))
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run

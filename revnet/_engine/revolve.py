@@ -111,7 +111,10 @@ def reverse(
     Returns:
       The state after ``vjp_step`` has run for ``t = steps - 1, ..., 0``.
     """
-    stack = [jnp.zeros((slots, *jnp.shape(x)), x.dtype).at[0].set(x) for x in init]
+    # Snapshot 0 is ``init``; broadcasting it (rather than filling zeros) keeps
+    # a weakly typed leaf weak, so each step is differentiated at the types
+    # ``lax.scan`` would use.
+    stack = [jnp.broadcast_to(x, (slots, *jnp.shape(x))) for x in init]
     where = jnp.zeros((slots,), jnp.int32)
 
     def run(c, start, stop):

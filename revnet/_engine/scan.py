@@ -22,6 +22,7 @@ from revnet._engine import analysis, checks, registry, select
 from revnet._engine import anchors as anc
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
+from revnet._engine import perturbed as pb
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, register_handler, run_plan
 from revnet._engine.plan import Plan, Scan, ScanAux
@@ -195,6 +196,7 @@ class _ScanHandler(Handler):
             known,
             outs,
             out_cts,
+            perturbed=it.perturbed(i),
         )
         it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], ins)
         return cts
@@ -210,6 +212,7 @@ def reversed_scan(
     out_cts: Sequence[Any] | None,
     stored: Sequence[Any] | None = None,
     anchors: anc.Anchors | None = None,
+    perturbed: Sequence[bool] | None = None,
 ):
     """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
 
@@ -225,6 +228,8 @@ def reversed_scan(
         value before every step, stacked (the plan reads it as known).
       anchors: carries stored every few steps (:mod:`.anchors`), from which
         the backward pass continues; with cotangents only.
+      perturbed: which of the scan's inputs (constants, carry, xs) are
+        differentiated; None: every float one (:mod:`.perturbed`).
 
     Returns:
       ``(rebuilt values, input cotangents or None)``: the initial carry and
@@ -278,6 +283,14 @@ def reversed_scan(
         checks.record_index(bad, messages)
         return list(init) + list(xs_new), None
 
+    body_perturbed = None
+    if perturbed is not None:
+        nb = len(body_consts)
+        p_consts, p_xs = list(perturbed[:nc]), list(perturbed[nc + ncar :])
+        p_carry = pb.loop_carry(
+            body_jaxpr, [False] * nb + p_consts, perturbed[nc : nc + ncar], p_xs
+        )
+        body_perturbed = [False] * nb + p_consts + p_carry + p_xs
     ct_ys = list(out_cts[ncar:])
     # Cotangents of ys that are absent (zero) are made per step inside the body,
     # never stacked over all steps.
@@ -299,6 +312,7 @@ def reversed_scan(
                 body_consts + consts + list(s_t) + list(x_t),
                 list(carry) + list(y_t),
                 cts_t,
+                body_perturbed,
             )
         bad = checks.merge(bad, sc, messages)
         in_cts = in_cts[len(body_consts) :]

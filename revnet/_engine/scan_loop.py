@@ -17,6 +17,7 @@ from jax import lax
 
 from revnet._engine import anchors as anc
 from revnet._engine import checks, cotangents, fingerprint, revolve
+from revnet._engine import perturbed as pb
 from revnet._engine.calls import LoopTag
 from revnet._engine.interpreter import evaluate
 from revnet._engine.jaxpr import ScanParams, eval_body, tag
@@ -124,13 +125,14 @@ def _make_scan(
         return final, ys
 
     def fwd(consts, init, xs):
+        (consts, init, xs), flags = pb.split_primals((consts, init, xs))
         final, (ys, bufs), marks = anchored(consts, init, xs)
-        return (final, ys), (consts, xs, final, ys, bufs, marks)
+        return (final, ys), (consts, xs, final, ys, bufs, marks, pb.Flags(flags))
 
     def bwd(res, cts):
-        consts, xs, final, ys, bufs, marks = res
+        consts, xs, final, ys, bufs, marks, flags = res
         anchors = None if every is None else anc.Anchors(every, marks, report)
-        ct_final, ct_ys = cts
+        ct_final, ct_ys = pb.drop_symbolic_zeros(cts)
         known = list(consts) + [None] * nc + list(xs)
         outs = list(final) + list(ys)
         with checks.scope() as top:
@@ -144,13 +146,14 @@ def _make_scan(
                 list(ct_final) + list(ct_ys),
                 merge([None] * (nc - len(bufs)), bufs, stored),
                 anchors,
+                flags.value,
             )
         checks.raise_if_failed(top)
         in_cts = cotangents.fill(in_cts, k_avals + c_avals + x_avals)
         return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
     tag(bwd, LoopTag("scan"))  # recognised by the analysis
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
 
 
@@ -166,12 +169,19 @@ def _checkpointed_scan(sp: ScanParams, forward, slots: int):
         return final, ys
 
     def fwd(consts, init, xs):
+        (consts, init, xs), flags = pb.split_primals((consts, init, xs))
         final, (ys, _), _ = forward(consts, init, xs)
-        return (final, ys), (consts, list(init), xs)
+        return (final, ys), (consts, list(init), xs, pb.Flags(flags))
 
     def bwd(res, cts):
-        consts, init, xs = res
-        ct_final, ct_ys = cts
+        consts, init, xs, flags = res
+        ct_final, ct_ys = pb.drop_symbolic_zeros(cts)
+        if n == 0:  # no step: the carry passes through, nothing else is read
+            in_cts = cotangents.fill(
+                [None] * nk + list(ct_final) + [None] * len(x_avals),
+                k_avals + c_avals + x_avals,
+            )
+            return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
         ct_ys = cotangents.drop_float0(ct_ys)
 
         def at(t):
@@ -186,11 +196,18 @@ def _checkpointed_scan(sp: ScanParams, forward, slots: int):
         def advance(t, c):
             return step(*consts, *c, *row(xs, t))[:nc]
 
+        p_k, p_x = list(flags.value[:nk]), list(flags.value[nk + nc :])
+        p_c = pb.loop_carry(sp.body.jaxpr, p_k, flags.value[nk : nk + nc], p_x)
+
         def vjp_step(t, c, state):
             ctc, ctk, ctx = state
             cty = [None if a is None else row([a], t)[0] for a in ct_ys]
             in_cts = cotangents.vjp(
-                step, [*consts, *c, *row(xs, t)], out_avals, [*ctc, *cty]
+                step,
+                [*consts, *c, *row(xs, t)],
+                out_avals,
+                [*ctc, *cty],
+                [*p_k, *p_c, *p_x],
             )
             in_cts = cotangents.float_or_none(in_cts, k_avals + c_avals + x_avals_t)
             ctx = [
@@ -210,5 +227,5 @@ def _checkpointed_scan(sp: ScanParams, forward, slots: int):
         return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
     tag(bwd, LoopTag("scan"))
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
