@@ -105,3 +105,19 @@ def runtime_checks(enabled: bool):
         yield
     finally:
         revnet.set_runtime_checks(None)
+
+
+@jax.custom_jvp
+def nondifferentiable(x):
+    """As Equinox's ``nondifferentiable``: raises on a tangent that is not a
+    symbolic zero."""
+    return x
+
+
+def _nondifferentiable_jvp(primals, tangents):
+    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
+        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
+    return primals[0], tangents[0]
+
+
+nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)

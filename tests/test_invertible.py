@@ -11,6 +11,7 @@ from tests.helpers import (
     assert_trees_close,
     check_against_autodiff,
     cotangents_like,
+    nondifferentiable,
     runtime_checks,
 )
 
@@ -331,24 +332,10 @@ def test_invertible_of_a_custom_ivjp_function_uses_its_inverse():
                 assert_trees_close(got, want, 1e-5 if dtype == jnp.float32 else 1e-10)
 
 
-@jax.custom_jvp
-def _nondifferentiable(x):
-    return x
-
-
-def _nondifferentiable_jvp(primals, tangents):
-    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
-        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
-    return primals[0], tangents[0]
-
-
-_nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_invertible_does_not_differentiate_unperturbed_inputs(dtype):
     def f(h, k):  # k is not differentiated: the guard sees no tangent
-        return h * 2.0 + jnp.tanh(_nondifferentiable(k)), k
+        return h * 2.0 + jnp.tanh(nondifferentiable(k)), k
 
     with jax.enable_x64(dtype == jnp.float64):
         h, k = jnp.linspace(-0.5, 0.5, 3, dtype=dtype), jnp.full(3, 0.3, dtype)

@@ -23,6 +23,7 @@ from jax import lax
 
 from revnet import NotInvertibleError, loops
 from revnet.loops import scan, while_loop
+from tests.helpers import nondifferentiable
 
 RTOL = {jnp.float32: 1e-5, jnp.float64: 1e-10}
 # Every example compiles a new program (~1 s on 2 cores): a third of the
@@ -1112,28 +1113,10 @@ def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
         )
 
 
-@jax.custom_jvp
-def _nondifferentiable(x):
-    """As Equinox's ``nondifferentiable``: raises on a tangent that is not a
-    symbolic zero."""
-    return x
-
-
-def _nondifferentiable_jvp(primals, tangents):
-    if type(tangents[0]) is not jax.custom_derivatives.SymbolicZero:
-        raise RuntimeError("Unexpected tangent: this value must not be differentiated")
-    return primals[0], tangents[0]
-
-
-_nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
-
-
 def _guarded_step(c, x):
     h, k, g, m = c
     # k is not differentiated (not in argnums), g only under stop_gradient.
-    h = h + jnp.tanh(
-        x * _nondifferentiable(k) + _nondifferentiable(lax.stop_gradient(g))
-    )
+    h = h + jnp.tanh(x * nondifferentiable(k) + nondifferentiable(lax.stop_gradient(g)))
     m = jnp.maximum(m, jnp.max(h)) if m is not None else None
     return (h, k * 1.5, g + h, m), h
 

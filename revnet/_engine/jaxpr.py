@@ -410,6 +410,15 @@ def splice(
     env: dict = dict(zip(inner.invars, atoms))
     for cv, c in zip(inner.constvars, closed.consts):
         env[cv] = Literal(c, cv.aval)
+    return _renamed(inner, env, lambda e: source_info)
+
+
+def _renamed(jaxpr: Jaxpr, env: dict, info: Callable[[JaxprEqn], Any]):
+    """``jaxpr``'s equations and outputs on the atoms ``env`` maps its inputs to.
+
+    Other variables are renamed fresh; ``info(e)`` is each equation's new
+    source info. Returns ``(equations, output atoms)``.
+    """
 
     def rename(a):
         if is_literal(a) or is_dropvar(a):
@@ -422,11 +431,11 @@ def splice(
         e.replace(
             invars=[rename(a) for a in e.invars],
             outvars=[rename(a) for a in e.outvars],
-            source_info=source_info,
+            source_info=info(e),
         )
-        for e in inner.eqns
+        for e in jaxpr.eqns
     ]
-    return eqns, [rename(a) for a in inner.outvars]
+    return eqns, [rename(a) for a in jaxpr.outvars]
 
 
 def scan_with_body(eqn: JaxprEqn, body: Jaxpr, n_consts: int, outvars) -> JaxprEqn:
@@ -462,22 +471,6 @@ def inline_body(
     """
     consts = [Literal(c, v.aval) for v, c in zip(body.jaxpr.invars, body.consts)]
     env: dict = dict(zip(body.jaxpr.invars, [*consts, *atoms]))
-
-    def rename(a):
-        if is_literal(a) or is_dropvar(a):
-            return a
-        if a not in env:
-            env[a] = Var(a.aval)
-        return env[a]
-
-    eqns = []
-    for e in body.jaxpr.eqns:
-        info = e.source_info if where(e) else source_info
-        eqns.append(
-            e.replace(
-                invars=[rename(a) for a in e.invars],
-                outvars=[rename(a) for a in e.outvars],
-                source_info=info,
-            )
-        )
-    return eqns, [rename(a) for a in body.jaxpr.outvars]
+    return _renamed(
+        body.jaxpr, env, lambda e: e.source_info if where(e) else source_info
+    )
