@@ -1,0 +1,1 @@
+"""Conformance tests ported from the peers' own test suites (oryx, equinox, JAX)."""
