@@ -155,11 +155,6 @@ def test_notangent_forward(kind):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: revnet.while_loop drops the weak type of a Python-scalar carry "
-    "too (lax.while_loop keeps it)",
-)
 @pytest.mark.parametrize("kind", KINDS)
 def test_notangent_forward_weak_types(kind):
     # test_while_loop.py::test_notangent_forward's carry starts with the Python
@@ -558,11 +553,6 @@ def test_buffer_index():
     assert_tree_allclose(grad, true)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: loops differentiate the body with respect to every carry leaf, "
-    "so a guarded non-differentiable leaf that nothing perturbs raises",
-)
 def test_nondifferentiable_body1():
     # test_while_loop.py::test_nondifferentiable_body1: y is guarded by
     # nondifferentiable and is not differentiated (grad is w.r.t. x and z only).
@@ -593,11 +583,6 @@ def test_nondifferentiable_body1():
     assert_tree_allclose(got, true)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: loops differentiate the body with respect to every carry leaf, "
-    "so a guarded non-differentiable leaf that nothing perturbs raises",
-)
 def test_nondifferentiable_body2():
     # test_while_loop.py::test_nondifferentiable_body2: w is guarded, and only
     # x is differentiated; (x, y, z) need several passes to find what is
@@ -762,11 +747,6 @@ def _test_scan(kind, length, vjp):
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: revnet.scan drops the weak type of a Python-scalar carry "
-    "(here int32 + float32 then fails under strict promotion)",
-)
 @pytest.mark.parametrize("kind", tuple(SCAN_KINDS))
 @pytest.mark.parametrize("vjp", (True, False))
 def test_scan(kind, vjp):
@@ -774,10 +754,6 @@ def test_scan(kind, vjp):
     _test_scan(kind, 4, vjp)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: revnet.scan drops the weak type of a Python-scalar carry",
-)
 @pytest.mark.parametrize("kind", tuple(SCAN_KINDS))
 @pytest.mark.parametrize("length", (4, None))
 def test_scan_standard_promotion(kind, length):
@@ -793,11 +769,6 @@ def test_scan_standard_promotion(kind, length):
         "lax",
         pytest.param(
             "checkpointed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="defect: the VJP of a zero-length revnet.scan crashes when "
-                "checkpointing (TypeError: slice_sizes (1,) for operand shape (0,))",
-            ),
         ),
         "inverted",
     ],

@@ -184,12 +184,6 @@ def test_invertible_blocks(dtype, ctx):
         assert_tree_allclose(back, (x, x + 2), rtol=10 * rtol, atol=10 * rtol)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a custom_ivjp closing over concrete arrays is refused inside "
-    "revnet.invertible/inverse ('closes over traced values; pass them ... with "
-    "num_consts')",
-)
 def test_invertible_blocks_with_weights():
     # api_test.py::InvertibleADTest::test_invertible_blocks with dense layers
     # (concrete weights closed over), as a reversible ResNet would have.

@@ -52,11 +52,6 @@ def test_trivial_inverse():
     assert_tree_allclose(f2_inv((_a(1.0), _a(2.0))), (_a(1.0), _a(2.0)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: revnet.inverse(f, ex)(python_float) crashes (AttributeError: "
-    "'float' object has no attribute 'shape')",
-)
 def test_trivial_inverse_python_scalars():
     # inverse_test.py::test_trivial_inverse, with oryx's Python floats as outputs.
     np.testing.assert_allclose(revnet.inverse(lambda x: x * 2.0, 1.0)(1.0), (0.5,))
@@ -425,10 +420,6 @@ def test_unary_inverse_is_the_users():
     np.testing.assert_allclose(got, np.exp(2.0), rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: revnet.invertible(custom_ivjp_fn) never calls the user inverse",
-)
 def test_unary_inverse_is_the_users_under_invertible():
     # custom_inverse_test.py::test_unary_inverse_and_ildj, through
     # revnet.invertible: the backward pass must rebuild the input with the
