@@ -68,6 +68,8 @@ from revnet._engine import (
     leaf_paths,
     not_invertible,
     perturbed,
+    sharding,
+    struct,
     trace,
 )
 
@@ -256,7 +258,19 @@ def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
             f"{want.dtype}{list(want.shape)} as {fname} returns, got "
             f"{dtype}{list(x.shape)}"
         )
-    return x if x.dtype == want.dtype else x.astype(want.dtype)
+    return sharding.cast_like(
+        x if x.dtype == want.dtype else x.astype(want.dtype), want
+    )
+
+
+def _example_struct(a: Any) -> jax.ShapeDtypeStruct:
+    """The type of an example argument; an array's sharding is kept (under
+    Explicit mesh axes it is part of the type)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    if isinstance(a, (jax.Array, jax.core.Tracer)):
+        return struct(jax.typeof(a))
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
 
 
 def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:
@@ -282,9 +296,7 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
     """
     base = fun.fun if isinstance(fun, _Invertible) else fun
     fname = getattr(base, "__name__", "function")
-    structs = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), example_args
-    )
+    structs = jax.tree_util.tree_map(_example_struct, example_args)
     flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
 
     def flat_fun(*flat):

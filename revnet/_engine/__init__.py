@@ -20,6 +20,7 @@ from revnet._engine import (
     registry,
     revolve,
     select,  # noqa: F401  (registers its rules)
+    sharding,
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
 from revnet._engine.decisions import (
@@ -38,7 +39,7 @@ from revnet._engine.errors import (
     show,
 )
 from revnet._engine.interpreter import Interpreter
-from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
+from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
 from revnet._engine.loops import while_function
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
@@ -70,7 +71,9 @@ __all__ = [
     "modes",
     "not_invertible",
     "perturbed",
+    "sharding",
     "show",
+    "struct",
     "register_inverse",
     "registry",
     "revolve",
