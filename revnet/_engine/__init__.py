@@ -4,8 +4,9 @@ Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
 only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
 into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
-(:mod:`.calls`, :mod:`.scan`, :mod:`.select`) add themselves to the registry
-and to the interpreter's handler table when this package is imported. The
+(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.shard_map`) add
+themselves to the registry and to the interpreter's handler table when this
+package is imported; :mod:`.sharding` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
 ``revnet.rules`` import only the names below, and the engine imports no
 front-end.
@@ -20,6 +21,7 @@ from revnet._engine import (
     registry,
     revolve,
     select,  # noqa: F401  (registers its rules)
+    shard_map,  # noqa: F401  (registers its rule)
     sharding,
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
