@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from revnet._engine import analysis, registry, sharding
+from revnet._engine import analysis, checks, registry, sharding
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
@@ -101,25 +103,32 @@ class _ShardMapHandler(Handler):
                         _per_copy(c, _unmentioned(sm, s))
                         for c, s in zip(body_cts, sm.out_specs)
                     ]
-            vals, in_cts = run_plan(
-                step.plan,
-                body.jaxpr,
-                [*body.consts, *given],
-                ys,
-                body_cts,
-                None if perturbed is None else [False] * nb + list(perturbed),
-            )
+            with checks.scope() as sc:
+                vals, in_cts = run_plan(
+                    step.plan,
+                    body.jaxpr,
+                    [*body.consts, *given],
+                    ys,
+                    body_cts,
+                    None if perturbed is None else [False] * nb + list(perturbed),
+                )
+            # The run-time checks' records are per device: their failure index
+            # leaves the shard_map as one entry per device.
+            failed = ()
+            if sc is not None:
+                index, messages[:] = sc.reduce()
+                failed = (index.reshape((1,)),)
             rebuilt = [
                 sharding.cast_like(v, in_avals[n]) for v, n in zip(vals, step.unknown)
             ]
             if not with_cts:
-                return tuple(rebuilt)
+                return (*failed, *rebuilt)
             in_cts = ct.fill(in_cts[nb:], in_avals)
             if not sm.check_vma:  # as JAX's transpose of shard_map
                 in_cts = [
                     _summed(c, _unmentioned(sm, s)) for c, s in zip(in_cts, sm.in_specs)
                 ]
-            return (*rebuilt, *[in_cts[n] for n in float_in])
+            return (*failed, *rebuilt, *[in_cts[n] for n in float_in])
 
         in_specs = [sm.in_specs[n] for n in known_idx]
         in_specs += [sm.out_specs[n] for n in out_idx]
@@ -127,8 +136,14 @@ class _ShardMapHandler(Handler):
         if with_cts:
             in_specs += list(sm.out_specs)
             out_specs += [sm.in_specs[n] for n in float_in]
+        messages: list[str] = []
+        checking = checks.enabled()
+        if checking:
+            out_specs = [P(_manual(sm)), *out_specs]
         res = jx.shard_map(sm, per_device, in_specs, out_specs)(*known, *outs, *cts)
         res = list(res)
+        if checking:
+            checks.record_index(jnp.max(res.pop(0)), messages)
         it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], res[: len(unknown)])
         if not with_cts:
             return None
@@ -136,6 +151,11 @@ class _ShardMapHandler(Handler):
         for n, c in zip(float_in, res[len(unknown) :]):
             in_cts[n] = c
         return in_cts
+
+
+def _manual(sm) -> tuple:
+    """The body's manual mesh axes, in the mesh's order."""
+    return tuple(a for a in sm.mesh.axis_names if a in sm.axis_names)
 
 
 def _unmentioned(sm, spec) -> tuple:
