@@ -68,6 +68,8 @@ from revnet._engine import (
     leaf_paths,
     not_invertible,
     perturbed,
+    sharding,
+    struct,
     trace,
 )
 
@@ -256,7 +258,38 @@ def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
             f"{want.dtype}{list(want.shape)} as {fname} returns, got "
             f"{dtype}{list(x.shape)}"
         )
-    return x if x.dtype == want.dtype else x.astype(want.dtype)
+    return sharding.cast_like(
+        x if x.dtype == want.dtype else x.astype(want.dtype), want
+    )
+
+
+def _auto_placement(a: Any) -> Any:
+    """An example array's NamedSharding where it is not part of its type (Auto
+    axes): the inverse places the rebuilt input the same way. Else None."""
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return None
+    s = getattr(a, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding):
+        return None
+    if sharding.explicit_spec(jax.typeof(a), a.ndim) is not None:
+        return None  # a type: cast_like already gave it
+    return s
+
+
+def _placed(x: Any, placement: Any) -> Any:
+    if placement is None or getattr(x, "shape", None) is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, placement)
+
+
+def _example_struct(a: Any) -> jax.ShapeDtypeStruct:
+    """The type of an example argument; an array's sharding is kept (under
+    Explicit mesh axes it is part of the type)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    if isinstance(a, (jax.Array, jax.core.Tracer)):
+        return struct(jax.typeof(a))
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
 
 
 def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:
@@ -282,10 +315,9 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
     """
     base = fun.fun if isinstance(fun, _Invertible) else fun
     fname = getattr(base, "__name__", "function")
-    structs = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), example_args
-    )
+    structs = jax.tree_util.tree_map(_example_struct, example_args)
     flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
+    placements = [_auto_placement(a) for a in jax.tree_util.tree_leaves(example_args)]
 
     def flat_fun(*flat):
         return base(*jax.tree_util.tree_unflatten(in_tree, flat))
@@ -314,6 +346,7 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
         with checks.scope() as sc:
             values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
         checks.raise_if_failed(sc)
+        values = [_placed(v, s) for v, s in zip(values, placements)]
         return tuple(jax.tree_util.tree_unflatten(in_tree, values))
 
     return inv

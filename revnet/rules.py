@@ -13,11 +13,16 @@ and vmap like any JAX code. The families follow ``jax.lax``:
 * ``cumsum``;
 * shape and layout: ``reshape``, ``transpose``, ``broadcast_in_dim`` adding
   unit dimensions, ``rev``, ``concatenate``, ``split``;
-* linear algebra: ``dot_general`` with a known square matrix.
+* linear algebra: ``dot_general`` with a known square matrix;
+* sharding and collectives: identity-like ``sharding_constraint``,
+  ``reshard``, ``mesh_cast``, ``pvary`` (``pcast`` to varying); ``ppermute``
+  (the inverse permutation), ``all_gather`` (this device's slice),
+  ``all_to_all`` (the exchange back). ``psum`` has no inverse: it is only
+  evaluated forward, on known inputs (a tensor-parallel reduction inside F).
 
 :data:`TABLE` lists every rule with its properties; :func:`register_all` puts
 them in the engine's registry. Structural rules (nested calls, ``scan``,
-``select_n``, covering slices) live in the engine itself.
+``select_n``, covering slices, ``shard_map``) live in the engine itself.
 """
 
 from __future__ import annotations
@@ -336,6 +341,95 @@ def _check_dot_general(statics, **params):
 
 
 # --------------------------------------------------------------------------- #
+# Sharding and collectives. The engine gives every solved input its type's
+# sharding (``revnet._engine.sharding.cast_like``): an Explicit sharding by a
+# ``reshard``, varying axes by a ``pcast``, and an invariant value from a
+# varying one by an exact all-reduce of one device's copy. So the inverse of
+# an identity-like primitive is the identity on values. Collectives run inside
+# ``shard_map`` bodies, whose rules are run per device (``_engine/shard_map``).
+
+
+def _same_value(outs, ins, **params):
+    """``sharding_constraint``, ``reshard``, ``mesh_cast``, ``pvary``: the value is
+    unchanged, only its type; the engine casts it back to the input's type."""
+    return [outs[0]]
+
+
+def _axis_size(axis_name: Any) -> int:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return int(np.prod([int(lax.axis_size(n)) for n in names]))
+
+
+def _no_groups(what: str, axis_index_groups: Any) -> None:
+    if axis_index_groups is not None:
+        raise NotInvertibleError(
+            f"{what} with axis_index_groups is not supported under sharding"
+        )
+
+
+def _ppermute(outs, ins, *, axis_name, perm, **params):
+    """``y = ppermute(x, perm)``: ``x = ppermute(y, perm inverted)``.
+
+    Only a permutation of every device along the axis is invertible: a device
+    that receives nothing gets zeros, and what it held is lost.
+    """
+    n = _axis_size(axis_name)
+    sources = sorted(s for s, _ in perm)
+    dests = sorted(d for _, d in perm)
+    if sources != list(range(n)) or dests != list(range(n)):
+        raise NotInvertibleError(
+            f"ppermute over the sharding axis {axis_name} of size {n} with the "
+            f"partial permutation {tuple(perm)}: a device that receives nothing "
+            "gets zeros, and what it held is lost"
+        )
+    back = tuple((d, s) for s, d in perm)
+    return [lax.ppermute(outs[0], axis_name, back)]
+
+
+def _all_gather(
+    outs,
+    ins,
+    *,
+    axis_name,
+    all_gather_dimension,
+    axis_size,
+    tiled,
+    axis_index_groups=None,
+    in_avals,
+    **params,
+):
+    """``y = all_gather(x)``: ``x`` is this device's slice of ``y``."""
+    _no_groups("all_gather", axis_index_groups)
+    (y,) = outs
+    i = lax.axis_index(axis_name)
+    d = all_gather_dimension
+    if tiled:
+        size = in_avals[0].shape[d]
+        return [lax.dynamic_slice_in_dim(y, i * size, size, axis=d)]
+    return [lax.dynamic_index_in_dim(y, i, axis=d, keepdims=False)]
+
+
+def _all_to_all(
+    outs, ins, *, axis_name, split_axis, concat_axis, axis_index_groups=None, **params
+):
+    """``y = all_to_all(x, split, concat)``: the exchange back,
+    ``x = all_to_all(y, concat, split)`` (chunk ``j`` of device ``i`` goes home)."""
+    _no_groups("all_to_all", axis_index_groups)
+    return [lax.all_to_all(outs[0], axis_name, concat_axis, split_axis, tiled=True)]
+
+
+SHARDING = {
+    "sharding_constraint": _same_value,
+    "reshard": _same_value,
+    "mesh_cast": _same_value,  # the name of reshard's cousin in other JAX versions
+    "pvary": _same_value,
+    "ppermute": _ppermute,
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+}
+
+
+# --------------------------------------------------------------------------- #
 # The table: name -> (rule, trace-time check, elementwise).
 
 TABLE: dict[str, tuple[InverseRuleFn, Callable[..., None] | None, bool]] = {
@@ -346,6 +440,7 @@ TABLE: dict[str, tuple[InverseRuleFn, Callable[..., None] | None, bool]] = {
     "cumsum": (_cumsum, None, False),
     **{name: (fn, None, False) for name, fn in LAYOUT.items()},
     "dot_general": (_dot_general, _check_dot_general, False),
+    **{name: (fn, None, False) for name, fn in SHARDING.items()},
 }
 
 

@@ -332,3 +332,22 @@ def test_moe_stores_one_routing_per_token_and_layer():
     per_layer = tokens * TOP_K * 4
     assert temps[12, "store"] - temps[4, "store"] == 8 * per_layer
     assert temps[12, "recompute"] == temps[4, "recompute"]
+
+
+def test_a_decision_inside_shard_map_is_refused_not_recomputed():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("x")
+
+    def coupling(a, b):
+        a = a + jnp.where(b > 0, jnp.tanh(b), 0.5 * b)
+        b = b + jnp.tanh(a)
+        return a, b
+
+    f = jax.shard_map(coupling, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    with pytest.raises(ValueError, match=r"decision \(`gt` at .*inside a shard_map"):
+        jax.grad(lambda a: jnp.sum(revnet.invertible(f)(a, x)[0]))(x)
+    g = jax.grad(
+        lambda a: jnp.sum(revnet.invertible(f, decisions="recompute")(a, x)[0])
+    )(x)
+    assert_trees_close(g, jax.grad(lambda a: jnp.sum(f(a, x)[0]))(x), 1e-6)

@@ -4,8 +4,9 @@ Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
 only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
 into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
-(:mod:`.calls`, :mod:`.scan`, :mod:`.select`) add themselves to the registry
-and to the interpreter's handler table when this package is imported. The
+(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.shard_map`) add
+themselves to the registry and to the interpreter's handler table when this
+package is imported; :mod:`.sharding` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
 ``revnet.rules`` import only the names below, and the engine imports no
 front-end.
@@ -20,6 +21,8 @@ from revnet._engine import (
     registry,
     revolve,
     select,  # noqa: F401  (registers its rules)
+    shard_map,  # noqa: F401  (registers its rule)
+    sharding,
 )
 from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
 from revnet._engine.decisions import (
@@ -38,7 +41,7 @@ from revnet._engine.errors import (
     show,
 )
 from revnet._engine.interpreter import Interpreter
-from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, tag
+from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
 from revnet._engine.loops import while_function
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
@@ -70,7 +73,9 @@ __all__ = [
     "modes",
     "not_invertible",
     "perturbed",
+    "sharding",
     "show",
+    "struct",
     "register_inverse",
     "registry",
     "revolve",

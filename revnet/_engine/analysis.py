@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from revnet._engine import fingerprint, registry
+from revnet._engine import fingerprint, registry, sharding
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import (
     BROKEN,
@@ -120,11 +120,10 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
         it = iter(known)
         return rule(outs, [next(it) if k else None for k in ins], eqn.params, in_avals)
 
-    def struct(a):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype)
-
-    outs = [struct(jx.aval(v)) for v in eqn.outvars]
-    known = [struct(a) for a, k in zip(in_avals, ins) if k]
+    # The structs keep the avals' sharding types (Explicit axes, varying
+    # manual axes): a rule's shape work must pass them through.
+    outs = [jx.struct(jx.aval(v)) for v in eqn.outvars]
+    known = [jx.struct(a) for a, k in zip(in_avals, ins) if k]
     try:
         result = jax.eval_shape(go, outs, known)
     except NotInvertibleError:
@@ -147,6 +146,12 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
             raise RuleError(
                 f"its inverse rule returned {got} for an input of type "
                 f"{a.dtype}{list(a.shape)}"
+            )
+        if not k and sharding.type_key(r) != sharding.type_key(a):
+            raise RuleError(
+                f"its inverse rule returned a value of sharding "
+                f"{sharding.describe(r)} for an input of sharding "
+                f"{sharding.describe(a)}"
             )
 
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from revnet._engine.sharding import cast_like
+
 
 def is_float_aval(a: Any) -> bool:
     """Whether an abstract value (or array) has a floating or complex dtype."""
@@ -34,20 +36,22 @@ def is_float0(c: Any) -> bool:
 
 def zeros(a: Any) -> Any:
     """A zero cotangent for ``a``: ``float0`` when ``a`` is not a float; weakly
-    typed when ``a`` is (as JAX's own zero cotangents)."""
+    typed when ``a`` is (as JAX's own zero cotangents); with ``a``'s sharding
+    type (:mod:`.sharding`)."""
     if is_float_aval(a):
         if getattr(a, "weak_type", False):
             z = lax.full(a.shape, 0j if jnp.iscomplexobj(a) else 0.0)
             if z.dtype == a.dtype:
-                return z
-        return jnp.zeros(a.shape, a.dtype)
+                return cast_like(z, a)
+        return cast_like(jnp.zeros(a.shape, a.dtype), a)
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
 def fill(cts: Sequence[Any], avals: Sequence[Any]) -> list:
-    """Cotangents as a custom VJP returns them: zeros for None, float0 for ints."""
+    """Cotangents as a custom VJP returns them: zeros for None, float0 for ints;
+    each of its primal's type (sharding included)."""
     return [
-        c if c is not None and is_float_aval(a) else zeros(a)
+        cast_like(c, a) if c is not None and is_float_aval(a) else zeros(a)
         for c, a in zip(cts, avals)
     ]
 
@@ -59,9 +63,9 @@ def float_or_none(cts: Sequence[Any], avals: Sequence[Any]) -> list:
         if not is_float_aval(a):
             out.append(None)
         elif c is None or is_float0(c):
-            out.append(jnp.zeros(a.shape, a.dtype))
+            out.append(cast_like(jnp.zeros(a.shape, a.dtype), a))
         else:
-            out.append(c)
+            out.append(cast_like(c, a))
     return out
 
 

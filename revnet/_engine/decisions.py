@@ -212,6 +212,8 @@ class _Pass:
             return self._scan(e, tin, dry)
         if name in _REMAT:
             return self._remat(e, tin, dry)
+        if jx.shard_map_params(e) is not None:
+            return self._shard_map(e, tin)
         float_in = any(t and is_float_aval(jx.aval(a)) for t, a in zip(tin, e.invars))
         if not float_in or jx.call_body(e) is not None and name != "custom_jvp_call":
             return [e], [], same, rebuilt
@@ -272,6 +274,32 @@ class _Pass:
         body2 = jx.with_outputs(new_body, [*new_body.outvars, *extra])
         eqn = jx.scan_with_body(e, body2, nb, [*e.outvars, *stacked])
         return [eqn], stacked, list(e.outvars), tout
+
+    def _shard_map(self, e, tin):
+        """A ``shard_map`` is kept; a decision in its body is refused in one line.
+
+        Its per-device decisions would need outputs of their own specs; until
+        then, a decision reading rebuilt values there must not be recomputed
+        silently.
+        """
+        body = jx.shard_map_params(e).body
+        nb = len(body.consts)
+        _, extra, tout = self.run(body.jaxpr, [False] * nb + tin)
+        if extra:
+            inner = next(
+                (q for q in body.jaxpr.eqns if any(v in extra for v in q.outvars)),
+                e,
+            )
+            where = jx.where(inner) or jx.where(e)
+            at = f" at {where}" if where else ""
+            raise ValueError(
+                f"a decision (`{jx.primitive_name(inner)}`{at}) inside a shard_map "
+                "body reads values the backward pass rebuilds, and decisions are "
+                "not stored inside shard_map yet; make the decision outside the "
+                "shard_map, or pass decisions='recompute' (a recomputed decision "
+                "may flip near a tie)"
+            )
+        return [e], [], list(e.outvars), tout
 
     def _remat(self, e, tin, dry):
         body = jx.call_body(e)

@@ -86,8 +86,61 @@ def aval(v: Any) -> Any:
 
 
 def aval_key(a: Any) -> Any:
-    """Shape, dtype and weak type of an abstract value, as a hashable key."""
-    return (tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)))
+    """Shape, dtype, weak type and sharding type of an abstract value, as a
+    hashable key."""
+    return (
+        tuple(a.shape),
+        str(a.dtype),
+        bool(getattr(a, "weak_type", False)),
+        sharding_key(a),
+    )
+
+
+def sharding_key(a: Any) -> Any:
+    """The sharding part of an abstract value's type, as a hashable key.
+
+    Under Explicit (or manual) axes a sharding is part of an array's type
+    (``f32[16@data,8]``, ``f32[4,8]{V:data}``): two programs that differ only
+    there are different programs for the analysis.
+    """
+    sharding = getattr(a, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    mat = getattr(a, "mat", None)
+    return (
+        None if mesh is None or mesh.empty else repr(mesh),
+        None if spec is None else repr(spec),
+        None if mat is None else repr(mat_key(mat)),
+    )
+
+
+def mat_key(mat: Any) -> tuple:
+    """The varying, unreduced and reduced mesh axes of a manual axis type."""
+    return tuple(
+        tuple(sorted(getattr(mat, k, ()) or ()))
+        for k in ("varying", "unreduced", "reduced")
+    )
+
+
+def struct(a: Any) -> jax.ShapeDtypeStruct:
+    """A ``jax.ShapeDtypeStruct`` of abstract value ``a``, with its sharding.
+
+    The sharding (Explicit axes are part of the type) and the manual axis type
+    (the varying axes inside ``shard_map``) are kept, so that tracing on the
+    struct (``jax.eval_shape``, ``jax.make_jaxpr``) sees the same types as the
+    program did.
+    """
+    kw: dict[str, Any] = {}
+    sharding = getattr(a, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty:
+        kw["sharding"] = sharding
+    mat = getattr(a, "mat", None)
+    if mat is not None and any(mat_key(mat)):
+        kw["manual_axis_type"] = mat
+    return jax.ShapeDtypeStruct(
+        a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)), **kw
+    )
 
 
 def literal_key(lit: Any) -> Any:
@@ -399,13 +452,9 @@ def splice(
       ``(equations, output atoms)``.
     """
 
-    def struct(v):
-        a = v.aval
-        return jax.ShapeDtypeStruct(
-            a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False))
-        )
-
-    closed = jax.make_jaxpr(lambda *xs: list(fun(*xs)))(*[struct(v) for v in atoms])
+    closed = jax.make_jaxpr(lambda *xs: list(fun(*xs)))(
+        *[struct(v.aval) for v in atoms]
+    )
     inner = closed.jaxpr
     env: dict = dict(zip(inner.invars, atoms))
     for cv, c in zip(inner.constvars, closed.consts):
@@ -474,3 +523,73 @@ def inline_body(
     return _renamed(
         body.jaxpr, env, lambda e: e.source_info if where(e) else source_info
     )
+
+
+# --------------------------------------------------------------------------- #
+# shard_map: a per-device body in its params, run in a manual-axes context.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMapParams:
+    """A ``shard_map`` equation: its per-device body and how it is mapped."""
+
+    body: Body
+    mesh: Any
+    in_specs: tuple
+    out_specs: tuple
+    axis_names: frozenset
+    check_vma: bool
+
+
+def shard_map_params(eqn: JaxprEqn) -> ShardMapParams | None:
+    """Describes a ``shard_map`` equation, or returns None for anything else."""
+    if eqn.primitive.name != "shard_map":
+        return None
+    p = eqn.params
+    return ShardMapParams(
+        body=as_body(p["jaxpr"]),
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axis_names=frozenset(
+            p.get("newly_manual_axes", p.get("manual_axes", frozenset()))
+        ),
+        check_vma=bool(p.get("check_vma", p.get("check_rep", True))),
+    )
+
+
+def shard_map(
+    sm: ShardMapParams, fun: Callable[..., Any], in_specs, out_specs
+) -> Callable[..., Any]:
+    """``fun`` mapped per device as the equation ``sm`` describes, with new specs."""
+    return jax.shard_map(
+        fun,
+        mesh=sm.mesh,
+        in_specs=tuple(in_specs),
+        out_specs=tuple(out_specs),
+        axis_names=set(sm.axis_names),
+        check_vma=sm.check_vma,
+    )
+
+
+def within_shard_map(eqn: JaxprEqn, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run where ``eqn``'s body is traced: its manual mesh axes bound.
+
+    The analysis of a ``shard_map`` body runs its rules on the body's types
+    (``f32[4,8]{V:data}``) and collectives (``ppermute`` over ``data``), which
+    only trace inside a ``shard_map``. JAX offers no public way to enter that
+    context alone, so ``fn`` runs while a ``shard_map`` of the same mesh and
+    specs that returns its inputs is traced abstractly.
+    """
+    sm = shard_map_params(eqn)
+    box: list = []
+
+    def body(*xs):
+        box.append(fn())
+        return xs
+
+    jax.eval_shape(
+        shard_map(sm, body, sm.in_specs, sm.in_specs),
+        *[struct(v.aval) for v in eqn.invars],
+    )
+    return box[0]

@@ -29,6 +29,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from revnet._engine.sharding import cast_like
+
 InverseRuleFn = Callable[..., Sequence[Any]]
 
 
@@ -68,9 +70,19 @@ class InverseRule:
     structural = False
 
     def __call__(self, outs: Sequence[Any], ins: Sequence[Any], params, in_avals):
-        """Runs ``solve`` with the equation's params (and ``in_avals``)."""
+        """Runs ``solve`` with the equation's params (and ``in_avals``).
+
+        Each solved input is given its type's sharding (Explicit axes, varying
+        manual axes): a rule computes values, the engine keeps their types.
+        """
         extra = {"in_avals": list(in_avals)} if self.takes_avals else {}
-        return self.solve(outs, ins, **params, **extra)
+        result = self.solve(outs, ins, **params, **extra)
+        if isinstance(result, (list, tuple)) and len(result) == len(ins):
+            result = [
+                cast_like(r, a) if x is None else r
+                for r, x, a in zip(result, ins, in_avals)
+            ]
+        return result
 
     def run_check(self, statics: Sequence[Any], params, in_avals) -> None:
         if self.check is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine import analysis, checks, registry, select
+from revnet._engine import analysis, checks, registry, select, sharding
 from revnet._engine import anchors as anc
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
@@ -329,8 +329,7 @@ def reversed_scan(
         return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
 
     ct_consts0 = [
-        jnp.zeros(a.shape, a.dtype) if f else None
-        for a, f in zip(const_avals, const_float)
+        sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
     ]
     state = (
         final,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import checks, registry
+from revnet._engine import checks, registry, sharding
 from revnet._engine import jaxpr as jx
 from revnet._engine.analysis import Analysis, abstract_solve
 from revnet._engine.errors import NotInvertibleError, degenerate
@@ -251,11 +251,11 @@ class _TileHandler(Handler):
             ordered = [pieces[n] for n in order]
             value = ordered[0] if len(ordered) == 1 else lax.concatenate(ordered, axis)
         else:
-            value = jnp.zeros(aval.shape, aval.dtype)
+            value = sharding.zeros(aval)
             for eqn, piece in zip(eqns, pieces):
                 start = eqn.params["start_indices"]
                 value = lax.dynamic_update_slice(value, piece.astype(aval.dtype), start)
-        it.set([step.var], [value])
+        it.set([step.var], [sharding.cast_like(value, aval)])
         return None
 
 
