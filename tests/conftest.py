@@ -24,4 +24,8 @@ os.environ.setdefault("REVNET_RUNTIME_CHECKS", "1")
 
 # Under JAX_CUSTOM_VJP3/JAX_REMAT3/JAX_SCAN3 (make test-next), a test whose plain
 # JAX reference fails inside JAX is skipped with JAX's message (tests/next_flags.py).
-from tests.next_flags import pytest_runtest_makereport  # noqa: E402, F401
+from tests.next_flags import (  # noqa: E402, F401
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)

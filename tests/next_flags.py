@@ -18,6 +18,7 @@ import os
 import types
 
 import jax
+import numpy as np
 import pytest
 
 import revnet
@@ -84,6 +85,37 @@ def plain_jax_failure(exc: BaseException) -> str | None:
     first = text.splitlines()[0] if text else ""
     where = f"{os.path.relpath(frames[-1][0], _JAX_DIR)}:{frames[-1][1]}"
     return f"{type(exc).__name__} in jax/{where}: {first}".rstrip(": ")
+
+
+def reverse_scan_is_wrong() -> bool:
+    """Whether plain ``lax.scan(reverse=True)`` runs forwards (jax 0.10.2's Scan3
+    ignores ``reverse``), found by running it against a Python loop."""
+    xs = np.arange(3.0)
+    _, ys = jax.lax.scan(
+        lambda c, x: (c + x, c), 0.0, jax.numpy.asarray(xs), reverse=True
+    )
+    want, c = [], 0.0
+    for x in xs[::-1]:
+        want.append(c)
+        c += x
+    return not np.allclose(np.asarray(ys), want[::-1])
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "lax_reverse_scan_reference: compares with plain lax.scan(reverse=True); "
+        "skipped where that runs forwards (plain JAX under JAX_SCAN3)",
+    )
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("lax_reverse_scan_reference") and flags_on():
+        if reverse_scan_is_wrong():
+            pytest.skip(
+                f"plain JAX is wrong under {'+'.join(flags_on())}: "
+                "lax.scan(reverse=True) runs forwards (Scan3 ignores reverse)"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)
