@@ -91,6 +91,9 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
         return ("const", tuple(getattr(c, "shape", ())), str(getattr(c, "dtype", "")))
 
     def value(p, rules=False):
+        if isinstance(p, jx.Body):  # a hijax call's body (jx.key_params)
+            inner = _key(p.jaxpr, consts_by_id, objects_by_id)
+            return ("body", inner, tuple(map(const, p.consts)))
         nested = jx.nested_jaxpr(p)
         if nested is not None:
             inner, consts = nested
@@ -117,8 +120,12 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
         return p
 
     def eqn_key(e):
-        rules = jx.primitive_name(e).startswith("custom_")
-        params = tuple((k, value(q, rules)) for k, q in sorted(e.params.items()))
+        rules = jx.custom_rule_kind(e) is not None or jx.primitive_name(e).startswith(
+            "custom_"
+        )
+        params = tuple(
+            (k, value(q, rules)) for k, q in sorted(jx.key_params(e).items())
+        )
         if not objects_by_id:
             tag = jx.tag_of(e)
             if tag is not None:
