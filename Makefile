@@ -33,11 +33,11 @@ test: $(STAMP_TEST) $(STAMP_EXP)
 NEXT_FLAGS ?= JAX_CUSTOM_VJP3 JAX_REMAT3 JAX_SCAN3
 NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py tests/test_ivjp_rules.py \
 	tests/test_loops.py tests/test_loop_modes.py tests/blocks/test_sequence.py \
-	tests/blocks/test_coupling.py
+	tests/blocks/test_coupling.py tests/test_decisions.py
 test-next: $(STAMP_TEST)
 	@status=0; for flag in $(NEXT_FLAGS); do \
 		echo "== $$flag=1"; \
-		env $$flag=1 $(PY) -m pytest -q -rs $(NEXT_TESTS) || status=1; \
+		env $$flag=1 $(PY) -m pytest -n 2 -q -rs $(NEXT_TESTS) || status=1; \
 	done; exit $$status
 
 demo: $(STAMP_EXP)
