@@ -121,3 +121,10 @@ def _nondifferentiable_jvp(primals, tangents):
 
 
 nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
+
+
+# JAX's opt-in custom_vjp3 (JAX_CUSTOM_VJP3=1, jax 0.10.2) raises its own
+# NotImplementedError for forward mode on a custom_vjp with symbolic zeros,
+# before revnet can say so in one line; and it refuses a custom_vjp closing over
+# a tracer before revnet sees the function.
+UNDER_CUSTOM_VJP3 = bool(jax.config.jax_custom_vjp3)
