@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from revnet._engine import checks
 from revnet._engine.cotangents import is_float
 
 
@@ -138,4 +139,4 @@ def start(anchors: Anchors, slots: int) -> Any:
 def report(anchors: Anchors, drift: Any, used: Any) -> None:
     """Sends the drift at the first ``used`` anchors to the report, if any."""
     if anchors.report is not None:
-        jax.debug.callback(anchors.report, drift, used)
+        checks.host_callback(anchors.report, drift, used)
