@@ -21,3 +21,11 @@ settings.load_profile(os.environ.get("REVNET_HYPOTHESIS_PROFILE", "ci"))
 
 # Run-time reconstruction checks (revnet/_engine/checks.py) are on for the whole suite.
 os.environ.setdefault("REVNET_RUNTIME_CHECKS", "1")
+
+# Under JAX_CUSTOM_VJP3/JAX_REMAT3/JAX_SCAN3 (make test-next), a test whose plain
+# JAX reference fails inside JAX is skipped with JAX's message (tests/next_flags.py).
+from tests.next_flags import (  # noqa: E402, F401
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)

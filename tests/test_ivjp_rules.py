@@ -512,3 +512,29 @@ def test_custom_ivjp_called_from_threads_at_two_arities():
     for k, results in done:
         for got in results:
             assert_trees_close(got, (jnp.full(3, 2.0),) * k, 1e-6)
+
+
+def test_revnet_scan_inside_inverse_uses_each_custom_ivjps_own_inverse():
+    """Two custom_ivjp functions with the same forward and different inverses:
+    revnet.scan's cached forward loop must not hand the first one's inverse to
+    an enclosing inversion of the second."""
+    x = jnp.arange(3.0)
+    results = []
+    for k in (1.0, 2.0):
+        double = revnet.custom_ivjp(lambda x: 2.0 * x)
+        calls = []
+
+        @double.definverse
+        def _(y, calls=calls, k=k):
+            calls.append(1)
+            return y / 2.0 * k  # k = 2: deliberately not the true inverse
+
+        def f(x, double=double):
+            y, _ = revnet.scan(lambda c, _: (double(c), None), x, length=3)
+            return y
+
+        (back,) = revnet.inverse(f, x)(f(x))
+        assert calls, f"the inverse of function {k} was not called"
+        results.append(back)
+    np.testing.assert_allclose(results[0], x)
+    np.testing.assert_allclose(results[1], x * 8.0)

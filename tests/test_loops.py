@@ -835,6 +835,7 @@ def test_scan_bad_arguments(kwargs, exc, words):
         assert word in message, (word, message)
 
 
+@pytest.mark.lax_reverse_scan_reference
 def test_scan_accepts_numpy_arguments():
     got = _scan_call(length=np.int64(3), reverse=np.bool_(True), unroll=np.int32(2))
     want = lax.scan(lambda c, x: (c + x, c), 0.0, jnp.arange(3.0), reverse=True)

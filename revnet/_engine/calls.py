@@ -13,6 +13,10 @@
   outputs, cts)``.
 * revnet's ``while_loop`` is refused inside another function: its trip count
   is not one of its outputs. revnet's ``scan`` is solved through its body.
+* JAX's hijax calls (``call_hi_primitive``, under JAX_CUSTOM_VJP3 and
+  JAX_REMAT3) are nested calls too: their body is the primitive's expansion
+  (:func:`revnet._engine.jaxpr.call_body`), and a ``custom_vjp``'s rule, or a
+  ``custom_ivjp``'s tag, is read from the primitive as for ``custom_vjp_call``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class CallRule(registry.StructuralRule):
             return None
         custom_ivjp = tag is not None and getattr(tag, "loop_kind", None) is None
         body = jx.call_body(eqn)
+        if body is None and not custom_ivjp:
+            an.fail(i, eqn, _no_body(eqn))
+            return None
         if not all(outs) and (custom_ivjp or body is None):
             an.fail(
                 i,
@@ -134,6 +141,14 @@ class CallRule(registry.StructuralRule):
         unknown = tuple(range(nh + n_const, len(ins)))
         step = Custom(i, unknown, nh, n_const, in_tree, out_tree)
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
+
+
+def _no_body(eqn) -> str:
+    """Why a call without a body (a hijax primitive revnet cannot expand) fails."""
+    kind = jx.hi_kind(eqn)
+    if kind == "Scan3":
+        return jx.scan3_refusal(eqn)
+    return f"`{jx.primitive_name(eqn)}` ({kind or 'no body'}) has no inverse rule"
 
 
 def _known_body_inputs(body, eqn, unknown: int) -> tuple[bool, ...]:

@@ -107,7 +107,7 @@ def expose(
     new, extra, _ = _Pass(kinks == "store").run(jaxpr, list(rebuilt))
     if not extra:
         return Exposed(jaxpr, 0)
-    return Exposed(jx.with_outputs(new, [*jaxpr.outvars, *extra]), len(extra))
+    return Exposed(jx.with_outputs(new, [*new.outvars, *extra]), len(extra))
 
 
 def stored_bytes(exposed: Exposed) -> int:

@@ -13,9 +13,10 @@ Two keys are computed from a jaxpr, for two kinds of cache:
   function that closes over a jaxpr (and so over its rules and nested
   constants) may be reused only for a jaxpr with an equal identity key.
 * :func:`primal` compares nested constants and other objects (a callback's
-  function) by identity, but not derivative rules: a function computing only
-  values (a jitted forward loop) may be reused for a jaxpr with an equal
-  primal key.
+  function) by identity, and ``custom_ivjp`` functions too (their inverse is
+  what an enclosing inversion runs), but not other derivative rules: a
+  function computing only values (a jitted forward loop) may be reused for a
+  jaxpr with an equal primal key.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
         return ("const", tuple(getattr(c, "shape", ())), str(getattr(c, "dtype", "")))
 
     def value(p, rules=False):
+        if isinstance(p, jx.Body):  # a hijax call's body (jx.key_params)
+            inner = _key(p.jaxpr, consts_by_id, objects_by_id)
+            return ("body", inner, tuple(map(const, p.consts)))
         nested = jx.nested_jaxpr(p)
         if nested is not None:
             inner, consts = nested
@@ -117,12 +121,20 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
         return p
 
     def eqn_key(e):
-        rules = jx.primitive_name(e).startswith("custom_")
-        params = tuple((k, value(q, rules)) for k, q in sorted(e.params.items()))
+        rules = jx.custom_rule_kind(e) is not None or jx.primitive_name(e).startswith(
+            "custom_"
+        )
+        params = tuple(
+            (k, value(q, rules)) for k, q in sorted(jx.key_params(e).items())
+        )
         if not objects_by_id:
             tag = jx.tag_of(e)
             if tag is not None:
                 params += (("revnet_tag", _tag_token(tag, e)),)
+                if consts_by_id and getattr(tag, "loop_kind", None) is None:
+                    # A custom_ivjp's inverse is what an enclosing inversion
+                    # runs: a function reused for this jaxpr must carry it.
+                    params += (("revnet_inverse", _Opaque(tag)),)
         return (
             jx.primitive_name(e),
             tuple(var(a) for a in e.invars),

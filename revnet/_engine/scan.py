@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-from jax import lax
 
 from revnet._engine import analysis, checks, registry, select, sharding
 from revnet._engine import anchors as anc
@@ -160,7 +159,7 @@ class _AuxHandler(Handler):
             env.update(zip(xs_in, x))
             return jx.eval_body(body, *[env[n] for n in step.in_idx]), None
 
-        final, _ = lax.scan(
+        final, _ = jx.scan(
             f,
             [outer[n] for n in carry_in],
             [outer[n] for n in xs_in],
@@ -274,7 +273,7 @@ def reversed_scan(
             carry = merge(vals[:nr], s_t, mask)
             return (carry, checks.merge(bad, sc, messages)), vals[nr:]
 
-        (init, bad), xs_new = lax.scan(
+        (init, bad), xs_new = jx.scan(
             body,
             (final, jnp.int32(-1) if checking else None),
             (xs_known, ys_known, stored),
@@ -343,7 +342,7 @@ def reversed_scan(
             anc.start(anchors, anc.count(sp.length, anchors.every)),
         ),
     )
-    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = lax.scan(
+    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = jx.scan(
         body,
         state,
         (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),

@@ -21,6 +21,7 @@ from revnet._engine import perturbed as pb
 from revnet._engine.calls import LoopTag
 from revnet._engine.interpreter import evaluate
 from revnet._engine.jaxpr import ScanParams, eval_body, tag
+from revnet._engine.jaxpr import scan as plain_scan
 from revnet._engine.loops import avals, forwards, stored_leaves
 from revnet._engine.modes import CHECKPOINT, Mode
 from revnet._engine.scan import merge, reversed_scan
@@ -83,7 +84,7 @@ def _scan_forward(sp: ScanParams, stored, every: int | None):
         if every is not None:
             bufs = anc.empty(init, anc.count(sp.length, every))
             i = jnp.int32(0)
-        (final, bufs, _), out = lax.scan(
+        (final, bufs, _), out = plain_scan(
             body,
             (list(init), bufs, i),
             list(xs),

@@ -40,9 +40,12 @@ def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list, Any]
 def prepare(jaxpr: Any) -> Any:
     """Inlines jits, names dropped scan outputs and merges duplicate equations.
 
+    JAX_SCAN3's scans over carry refs are first turned back into ``scan`` equations
+    (:func:`.jaxpr.lower_refs`).
+
     Nested bodies (:func:`.jaxpr.call_body`) are prepared the same way.
     """
-    return cse(_name_scan_outputs(inline_jits(jaxpr)))
+    return cse(_name_scan_outputs(inline_jits(jx.lower_refs(jaxpr))))
 
 
 def inline_jits(jaxpr: Any) -> Any:
