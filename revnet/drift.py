@@ -13,7 +13,10 @@ of the segment's steps were computed with.
 A :class:`DriftMonitor` passed as ``drift=`` receives those distances from
 every backward pass, through one ``jax.debug.callback`` at the end of it, and
 may warn or raise when one exceeds a tolerance. It works under ``jit``,
-``vmap`` and sharded programs::
+``vmap`` and sharded programs; under a global mesh (``jax.set_mesh``) the
+callback runs on every device, and in a multi-process run each process's
+monitor records one reading per backward pass and warns or raises itself
+(``checks.host_callback``)::
 
     monitor = revnet.DriftMonitor(tolerance=1e-3)
     def loss(params, x):

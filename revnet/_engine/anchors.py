@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from revnet._engine import checks
 from revnet._engine.cotangents import is_float
 
 
@@ -57,8 +58,16 @@ def slots(anchors: Anchors) -> int:
 
 
 def empty(carry: Sequence[Any], slots: int) -> list:
-    """Zero buffers for ``slots`` anchors of ``carry``."""
-    return [jnp.zeros((slots, *jnp.shape(c)), jnp.result_type(c)) for c in carry]
+    """Zero buffers for ``slots`` anchors of ``carry``.
+
+    Built from ``zeros_like`` so that each slot has its carry's type (its
+    sharding under Explicit mesh axes, its varying axes inside ``shard_map``);
+    fresh ``jnp.zeros`` would be replicated, and ``keep``'s ``where`` refuses
+    mixing the two.
+    """
+    return [
+        jnp.broadcast_to(jnp.zeros_like(c), (slots, *jnp.shape(c))) for c in carry
+    ]
 
 
 def keep(buffers: Sequence[Any], carry: Sequence[Any], i: Any, every: int) -> list:
@@ -130,4 +139,4 @@ def start(anchors: Anchors, slots: int) -> Any:
 def report(anchors: Anchors, drift: Any, used: Any) -> None:
     """Sends the drift at the first ``used`` anchors to the report, if any."""
     if anchors.report is not None:
-        jax.debug.callback(anchors.report, drift, used)
+        checks.host_callback(anchors.report, drift, used)

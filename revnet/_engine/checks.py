@@ -16,17 +16,29 @@ callback per backward pass (and a host synchronisation point there), so the
 checks are off by default; tests turn them on. Turn them on with
 ``REVNET_RUNTIME_CHECKS=1`` or :func:`set_runtime_checks`; the setting is read
 when a function is traced.
+
+Under a mesh, that callback and the drift monitor's (:func:`host_callback`) run
+on every device, not on one: an exception raised by a callback stops only the
+device that ran it, and its peers then wait for it at the next collective, for
+ever (a later step in one process, the other processes of a multi-process
+run). Run on every device, the callback raises on every device, so every
+device stops at the same point, and every process raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from revnet._engine.cotangents import is_float
 from revnet._engine.errors import NotInvertibleError
@@ -133,4 +145,76 @@ def raise_if_failed(s: Scope | None) -> None:
         if i >= 0:
             raise NotInvertibleError(messages[i])
 
-    jax.debug.callback(check, index)
+    host_callback(check, index)
+
+
+class _Copies:
+    """Lets one of each ``copies`` calls with the same arguments run ``fn``.
+
+    The others get its outcome: nothing, or a copy of the exception it raised.
+    """
+
+    def __init__(self, fn: Callable[..., None], copies: int):
+        self.fn, self.copies = fn, copies
+        self.lock = threading.Lock()
+        self.pending: dict[tuple, list] = {}  # arguments -> [calls left, error]
+
+    def __call__(self, *args: Any) -> None:
+        key = tuple((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, args))
+        with self.lock:
+            entry = self.pending.get(key)
+            if entry is None:
+                try:
+                    self.fn(*args)
+                    error = None
+                except Exception as e:  # noqa: BLE001 - re-raised below
+                    error = e
+                entry = [self.copies, error]
+                self.pending[key] = entry
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self.pending[key]
+        if entry[1] is not None:
+            raise copy.copy(entry[1])  # a fresh traceback per copy
+
+
+def _copies_per_process(mesh: Any) -> int | None:
+    """How many of ``mesh``'s devices each process has, or None if unknown."""
+    if jax.process_count() == 1:
+        return mesh.size
+    if mesh.size == jax.device_count():
+        return jax.local_device_count()
+    return None
+
+
+def host_callback(fn: Callable[..., None], *args: Any) -> None:
+    """``jax.debug.callback(fn, *args)``, run once per process, raising on all.
+
+    Under a global mesh (``jax.set_mesh``, Auto or Explicit axes) JAX runs a
+    debug callback once, on the mesh's first device: only one process sees it,
+    and if it raises only that device stops while the others wait for it at
+    their next collective. Here it runs on every device of the mesh (in a
+    fully manual ``shard_map``, with the replicated ``args``); on each
+    process one copy calls ``fn`` (records a reading, warns) and every copy
+    raises what ``fn`` raised, so every device stops at the same point.
+
+    Outside a mesh, inside ``shard_map`` (where JAX already runs callbacks per
+    device), or where the mesh is not made of every process's devices, it is
+    a plain ``jax.debug.callback``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    copies = None
+    if not mesh.empty and AxisType.Manual not in mesh.axis_types:
+        copies = _copies_per_process(mesh)
+    if copies is None or mesh.size == 1:
+        jax.debug.callback(fn, *args)
+        return
+    once = _Copies(fn, copies)
+
+    def body(*a):
+        jax.debug.callback(once, *a)
+        return ()
+
+    jax.shard_map(
+        body, mesh=mesh, in_specs=(P(),) * len(args), out_specs=(), check_vma=False
+    )(*args)
