@@ -68,7 +68,8 @@ def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     fn = registry.evaluator(jx.primitive_name(eqn))
     if fn is None:
         return jx.bind(eqn, *ins)
-    return fn(jx.bind_params(eqn), list(ins))
+    with jx.context(eqn):
+        return fn(jx.bind_params(eqn), list(ins))
 
 
 def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:

@@ -127,3 +127,13 @@ def in_mesh_of(x: Any) -> Any:
     if mesh is None or mesh == jax.sharding.get_abstract_mesh():
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+def scalar_here(x: Any) -> Any:
+    """A scalar computed under another view of the mesh (``in_mesh_of``),
+    replicated on the current one, so that it mixes with the program's values."""
+    mesh = _mesh(jax.typeof(x))
+    here = jax.sharding.get_abstract_mesh()
+    if mesh is None or here is None or here.empty or mesh == here:
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())

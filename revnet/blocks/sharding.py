@@ -73,16 +73,17 @@ tensor parallelism is ``{"heads": "model", "mlp": "model"}``; adding
 """
 
 REVNET_RULES: tuple[Rule, ...] = (
-    (r"init_conv/w$", (None, None, None, "conv_out")),
-    (r"(conv_\d|proj)/w$", (None, None, "conv_in", "conv_out")),
-    (r"conv_\d/b$", ("conv_out",)),
-    (r"logits/w$", ("conv_in", None)),
-    (r".*", ()),  # BatchNorm scales and offsets, the logits' bias: replicated
+    (r"/stage_\d+/.*/conv_\d/w$", (None, None, "conv_in", "conv_out")),
+    (r"/stage_\d+/.*/conv_\d/b$", ("conv_out",)),
+    (r".*", ()),  # BatchNorms, the first conv, transitions, head: replicated
 )
 """Partition rules of :class:`~revnet.blocks.RevNet`.
 
-Logical axes: ``"conv_in"`` and ``"conv_out"``, a convolution's input and
-output channels (the classifier's input features count as ``"conv_in"``).
+Logical axes: ``"conv_in"`` and ``"conv_out"``, the input and output channels
+of the convolutions inside the reversible stages. The first convolution, the
+stage transitions and the classifier are replicated: they run outside the
+stages' ``activation_sharding`` as plain Haiku code, where an Explicit mesh
+refuses a convolution whose weights are sharded on a contracted axis.
 """
 
 
@@ -258,5 +259,28 @@ def sharded_layer(
         replicated = jax.tree.map(lambda _: PartitionSpec(), state)
         auto = jax.sharding.auto_axes(layer, out_sharding=(spec, replicated))
         return auto(params, state, key, h)
+
+    return run
+
+
+def replicated_in_auto_axes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with the current mesh's Explicit axes Auto, its outputs
+    replicated; ``fn`` itself when no Explicit mesh is set.
+
+    For the stacked init of a :class:`~revnet.blocks.ReversibleSequence`: a
+    ``vmap`` over layers of Haiku code merges the layer axis into a batch
+    sharded over an Explicit axis (a convolution's reshape), which Explicit
+    axes refuse; the parameters are placed afterwards by :func:`partition`.
+    """
+
+    def run(*args: Any) -> Any:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+            return fn(*args)
+        auto = mesh.update_axis_types({n: AxisType.Auto for n in mesh.axis_names})
+        with jax.sharding.use_abstract_mesh(auto):
+            args = jax.sharding.reshard(args, PartitionSpec())
+            out = fn(*args)
+        return jax.sharding.reshard(out, PartitionSpec())
 
     return run
