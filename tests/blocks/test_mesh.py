@@ -236,7 +236,8 @@ def test_partition_rules():
     refused(((".*", ("data", "data")),), "uses a mesh axis twice")
     refused(((".*", ("nope",)),), "the mesh has no axis 'nope'")
     refused(((r"b$", ("data",)), (".*", ())), "6 is not divisible by the size 4")
-    """
+    """,
+        _MESH_PRELUDE,
     )
 
 
