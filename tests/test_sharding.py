@@ -107,12 +107,12 @@ _PRELUDE = textwrap.dedent(
 )
 
 
-def _run(body: str) -> str:
-    """Runs ``body`` after the prelude on 8 forced CPU devices; its stdout."""
+def _run(body: str, prelude: str = _PRELUDE) -> str:
+    """Runs ``body`` after ``prelude`` on 8 forced CPU devices; its stdout."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(body) + "\nprint('ok')\n"],
+        [sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('ok')\n"],
         cwd=_ROOT,
         env=env,
         capture_output=True,

@@ -118,7 +118,10 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
 
     def go(outs, known):
         it = iter(known)
-        return rule(outs, [next(it) if k else None for k in ins], eqn.params, in_avals)
+        with jx.context(eqn):
+            return rule(
+                outs, [next(it) if k else None for k in ins], eqn.params, in_avals
+            )
 
     # The structs keep the avals' sharding types (Explicit axes, varying
     # manual axes): a rule's shape work must pass them through.

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from revnet._engine import sharding
 from revnet._engine.cotangents import is_float
 from revnet._engine.errors import NotInvertibleError
 
@@ -75,11 +76,23 @@ def record(rebuilt: Sequence[Any], given: Sequence[Any], message: str) -> None:
     given = [x for x in given if x is not None and is_float(x)]
     if not rebuilt:
         return
-    bad = jnp.any(jnp.stack([jnp.any(~jnp.isfinite(x)) for x in rebuilt]))
+    bad = jnp.any(
+        jnp.stack([_each(x, lambda v: jnp.any(~jnp.isfinite(v))) for x in rebuilt])
+    )
     if given:
-        ok_in = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in given]))
+        ok_in = jnp.all(
+            jnp.stack([_each(x, lambda v: jnp.all(jnp.isfinite(v))) for x in given])
+        )
         bad = jnp.logical_and(bad, ok_in)
     _SCOPES[-1].append((jnp.where(bad, 0, -1).astype(jnp.int32), [message]))
+
+
+def _each(x: Any, reduce: Any) -> Any:
+    """``reduce(x)`` to a scalar, in ``x``'s view of the mesh (``auto_axes``
+    bodies have their own), as a scalar of the current one."""
+    with sharding.in_mesh_of(x):
+        flag = reduce(x)
+    return sharding.scalar_here(flag)
 
 
 def record_index(index: Any, messages: list[str]) -> None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine.sharding import cast_like
+from revnet._engine.sharding import cast_like, in_mesh_of
 
 
 def is_float_aval(a: Any) -> bool:
@@ -80,7 +80,8 @@ def add(a: Any, b: Any) -> Any:
         return b
     if b is None:
         return a
-    return a + b
+    with in_mesh_of(a):
+        return a + cast_like(b, a)
 
 
 def add_into(acc: Sequence[Any], new: Sequence[Any]) -> list:

@@ -68,7 +68,8 @@ def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     fn = registry.evaluator(jx.primitive_name(eqn))
     if fn is None:
         return jx.bind(eqn, *ins)
-    return fn(jx.bind_params(eqn), list(ins))
+    with jx.context(eqn):
+        return fn(jx.bind_params(eqn), list(ins))
 
 
 def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
@@ -318,7 +319,8 @@ class _SolveHandler(Handler):
         known = it.read_ins(i, unknown)
         outs = [None if v is None else it.read(v) for v in it.wiring.eqn_outs[i]]
         avals = [jx.aval(v) for v in eqn.invars]
-        solved = registry.lookup(step.rule)(outs, known, eqn.params, avals)
+        with jx.context(eqn):
+            solved = registry.lookup(step.rule)(outs, known, eqn.params, avals)
         new = [solved[n] for n in step.unknown]
         checks.record(
             new, [*outs, *[k for k in known if k is not None]], degenerate(eqn)

@@ -641,6 +641,12 @@ def bind(eqn: JaxprEqn, *args: Any) -> list[Any]:
     return list(out) if prim.multiple_results else [out]
 
 
+def context(eqn: JaxprEqn) -> Any:
+    """The context ``eqn`` was traced in (its abstract mesh among others), as
+    a context manager: an inverse rule runs in it as the equation would."""
+    return eqn.ctx.manager
+
+
 def bind_params(eqn: JaxprEqn) -> dict[str, Any]:
     """The keyword arguments ``eqn``'s primitive is bound with."""
     return _bind_args(eqn)[1]

@@ -21,6 +21,7 @@ nothing is added to unsharded programs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -67,10 +68,24 @@ def cast_like(x: Any, a: Any) -> Any:
         x = _invariant(x, tuple(sorted(have - want)))
     if want - have:
         x = lax.pcast(x, tuple(sorted(want - have)), to="varying")
+    mesh = _mesh(a)
+    if mesh is not None and _mesh(jax.typeof(x)) not in (None, mesh):
+        # Another view of the mesh (``jax.sharding.auto_axes`` makes Explicit
+        # axes Auto inside): cast as auto_axes does, under the target's mesh.
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.sharding.reshard(x, a.sharding.spec)
     spec = explicit_spec(a, len(a.shape))
     if spec is not None and explicit_spec(jax.typeof(x), len(a.shape)) != spec:
         x = jax.sharding.reshard(x, a.sharding)
     return x
+
+
+def _mesh(a: Any) -> Any:
+    """The abstract mesh of type ``a``'s sharding, or None (no mesh)."""
+    mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return getattr(mesh, "abstract_mesh", mesh)
 
 
 def _invariant(x: Any, axes: tuple) -> Any:
@@ -98,3 +113,27 @@ def describe(a: Any) -> str:
 def zeros(a: Any) -> Any:
     """Zeros of type ``a`` (shape, dtype, sharding and varying axes)."""
     return cast_like(jnp.zeros(a.shape, a.dtype), a)
+
+
+def in_mesh_of(x: Any) -> Any:
+    """A context manager that makes ``x``'s mesh the current abstract mesh.
+
+    Inside ``jax.sharding.auto_axes`` values live on another view of the mesh
+    (its axes Auto) than the program around it; an operation on them, such as
+    adding up cotangents, must run under their view. A no-op when ``x`` has
+    no mesh or the current one.
+    """
+    mesh = _mesh(jax.typeof(x)) if hasattr(x, "shape") else None
+    if mesh is None or mesh == jax.sharding.get_abstract_mesh():
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def scalar_here(x: Any) -> Any:
+    """A scalar computed under another view of the mesh (``in_mesh_of``),
+    replicated on the current one, so that it mixes with the program's values."""
+    mesh = _mesh(jax.typeof(x))
+    here = jax.sharding.get_abstract_mesh()
+    if mesh is None or here is None or here.empty or mesh == here:
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())

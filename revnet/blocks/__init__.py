@@ -8,12 +8,14 @@ from revnet.blocks.coupling import AdditiveCoupling, AffineCoupling
 from revnet.blocks.permutation import ChannelPermutation, Squeeze
 from revnet.blocks.revnet import CONFIGS, RevNet, RevNetConfig, StageTransition
 from revnet.blocks.sequence import ReversibleSequence
+from revnet.blocks.sharding import REVNET_RULES, TRANSFORMER_RULES, constrain, partition
 from revnet.blocks.transformer import ReversibleTransformer
 
 __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
     "CONFIGS",
+    "REVNET_RULES",
     "ChannelPermutation",
     "ReversibleSequence",
     "ReversibleTransformer",
@@ -21,4 +23,7 @@ __all__ = [
     "RevNetConfig",
     "Squeeze",
     "StageTransition",
+    "TRANSFORMER_RULES",
+    "constrain",
+    "partition",
 ]

@@ -7,6 +7,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -265,3 +266,25 @@ def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
         "anchor_every": anchor_every,
         "drift": check_monitor(module, "drift", drift),
     }
+
+
+def check_sharding(module: str, arg: str, value: Any) -> Any:
+    """Checks that ``value`` is None, a ``PartitionSpec`` or a ``NamedSharding``.
+
+    Returns:
+      ``value``.
+
+    Raises:
+      TypeError: If it is anything else (a tuple of axis names is not taken
+        for a spec: wrap it in ``jax.sharding.PartitionSpec``).
+    """
+    if value is not None and not isinstance(
+        value, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding)
+    ):
+        raise _fail(
+            module,
+            arg,
+            value,
+            "None, a jax.sharding.PartitionSpec or a jax.sharding.NamedSharding",
+        )
+    return value

@@ -22,6 +22,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from revnet.blocks.sharding import replicated_in_auto_axes
+
 PureApply = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 
 
@@ -73,9 +75,13 @@ class Lifted:
 
             def init(key, *args, **kwargs):
                 keys = jax.random.split(key, num_stacked)
-                return jax.vmap(lambda k: self.transformed.init(k, *args, **kwargs))(
-                    keys
-                )
+
+                def stacked(keys, *args):
+                    return jax.vmap(
+                        lambda k: self.transformed.init(k, *args, **kwargs)
+                    )(keys)
+
+                return replicated_in_auto_axes(stacked)(keys, *args)
 
         self._params_and_state, updater = hk.lift_with_state(
             init, name=name, allow_reuse=True

@@ -254,6 +254,8 @@ class RevNet(hk.Module):
         anchor_every: int | None = None,
         drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
+        *,
+        activation_sharding: Any = None,
     ):
         """Constructs the network.
 
@@ -271,6 +273,12 @@ class RevNet(hk.Module):
           drift: None, or a :class:`revnet.DriftMonitor` that receives the
             reconstruction error at each anchor of each stage.
           name: Name of the module.
+          activation_sharding: None, or the ``PartitionSpec`` of the
+            ``[batch, height, width, channels]`` activations between the
+            units of every stage, such as ``P("data")`` (see
+            :class:`ReversibleSequence`). Place the parameters with
+            :func:`revnet.blocks.partition` and
+            :data:`revnet.blocks.REVNET_RULES`.
 
         Raises:
           TypeError: If ``depth_config`` is neither a string nor a
@@ -332,7 +340,12 @@ class RevNet(hk.Module):
 
             self._stages.append(
                 ReversibleSequence(
-                    unit, units, reversible=reversible, name=f"stage_{i}", **anchors
+                    unit,
+                    units,
+                    reversible=reversible,
+                    name=f"stage_{i}",
+                    activation_sharding=activation_sharding,
+                    **anchors,
                 )
             )
             width = stage_width

@@ -37,9 +37,11 @@ from revnet.blocks._checks import (
     check_input,
     check_int,
     check_name,
+    check_sharding,
     show,
 )
 from revnet.blocks._lift import Lifted, PureApply
+from revnet.blocks.sharding import constrain, sharded_layer
 
 BlockFn = Callable[..., jax.Array]
 
@@ -114,6 +116,7 @@ class ReversibleSequence(hk.Module):
         *,
         decisions: str = "store",
         kinks: str = "recompute",
+        activation_sharding: Any = None,
     ):
         """Constructs the sequence.
 
@@ -143,6 +146,14 @@ class ReversibleSequence(hk.Module):
             :func:`revnet.invertible`.
           kinks: ``"recompute"`` (default) or ``"store"``: also store the
             branch of ``max``/``min``/``abs``/``relu`` on rebuilt values.
+          activation_sharding: None, or the ``jax.sharding.PartitionSpec`` (on
+            the mesh set by ``jax.set_mesh``) or ``NamedSharding`` of the
+            residual stream, such as ``P("data")``: each layer's input and
+            output are constrained to it (``with_sharding_constraint`` under
+            Auto mesh axes). Under Explicit axes each layer runs with the
+            mesh's axes Auto inside (``jax.sharding.auto_axes``), so that
+            Haiku modules may hold tensor-parallel parameters, and its output
+            is resharded to it. See :mod:`revnet.blocks.sharding`.
 
         Raises:
           TypeError: If ``block_fn`` is neither a callable nor a list of
@@ -164,6 +175,9 @@ class ReversibleSequence(hk.Module):
         except ValueError as e:
             raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
         self.decisions, self.kinks = decisions, kinks
+        self.activation_sharding = check_sharding(
+            module, "activation_sharding", activation_sharding
+        )
         if not callable(block_fn) and (anchor_every is not None or drift is not None):
             raise ValueError(
                 f"{module}: anchor_every and drift need a single block_fn stacked "
@@ -221,7 +235,10 @@ class ReversibleSequence(hk.Module):
         key = hk.maybe_next_rng_key()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         layers = [
-            _shape_preserving(module, fn.apply, args, kwargs, self.reversible)
+            sharded_layer(
+                _shape_preserving(module, fn.apply, args, kwargs, self.reversible),
+                self.activation_sharding,
+            )
             for fn in self._lifted
         ]
 
@@ -268,6 +285,9 @@ class ReversibleSequence(hk.Module):
         anchored = self.reversible and (
             self.anchor_every is not None or self.drift is not None
         )
+        # The stream enters with its sharding, so that the layers' constraints
+        # do not change its type inside the reversible function.
+        x = constrain(x, self.activation_sharding)
         stack = self._stack(x, args, kwargs, anchored)
         if self.reversible and not anchored:
             stack = revnet.invertible(stack, decisions=self.decisions, kinks=self.kinks)
@@ -295,6 +315,7 @@ class ReversibleSequence(hk.Module):
             array.
           revnet.NotInvertibleError: If a block cannot be run backwards.
         """
+        y = constrain(y, self.activation_sharding)
         stack = self._stack(y, args, kwargs)
 
         def outputs(h):

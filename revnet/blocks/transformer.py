@@ -67,6 +67,8 @@ class ReversibleTransformer(hk.Module):
         anchor_every: int | None = None,
         drift: revnet.DriftMonitor | None = None,
         name: str | None = None,
+        *,
+        activation_sharding: Any = None,
     ):
         """Constructs the encoder.
 
@@ -87,12 +89,17 @@ class ReversibleTransformer(hk.Module):
           drift: None, or a :class:`revnet.DriftMonitor` that receives the
             reconstruction error at each anchor.
           name: Name of the module.
+          activation_sharding: None, or the ``PartitionSpec`` of the
+            ``[batch, time, model]`` stream between layers, such as
+            ``P("data")`` (see :class:`ReversibleSequence`). Place the
+            parameters with :func:`revnet.blocks.partition` and
+            :data:`revnet.blocks.TRANSFORMER_RULES`.
 
         Raises:
           TypeError: If ``num_layers``, ``num_heads``, ``model_size`` or
             ``mlp_size`` is not an integer, ``dropout_rate`` not a number,
-            ``reversible`` not a bool, or ``compute_dtype`` not None or a floating
-            point dtype.
+            ``reversible`` not a bool, ``compute_dtype`` not None or a floating
+            point dtype, or ``activation_sharding`` not None or a sharding.
           ValueError: If an integer argument is not positive, ``dropout_rate`` is
             not in ``[0, 1)``, ``model_size`` is odd or its halves are not
             divisible by ``num_heads``.
@@ -143,7 +150,12 @@ class ReversibleTransformer(hk.Module):
             )(x)
 
         self._layers = ReversibleSequence(
-            layer, num_layers, reversible=reversible, name="layers", **anchors
+            layer,
+            num_layers,
+            reversible=reversible,
+            name="layers",
+            activation_sharding=activation_sharding,
+            **anchors,
         )
 
     def _check(self, x: Any) -> None:

@@ -1,0 +1,238 @@
+"""The reversible transformer on a 4 x 2 ("data", "model") mesh: per-device
+memory against depth, and collectives per step.
+
+Parameters are placed by ``blocks.partition`` with ``blocks.TRANSFORMER_RULES``
+(FSDP over ``data``, attention heads and the MLP's hidden width over
+``model``) and the stream is constrained to ``P("data")``. For each depth
+(4, 8, 16, 32) it reports the compiled ``temp_size_in_bytes`` of one
+``jit(grad(loss))`` step, which for a sharded program is per device, for
+
+* ``reversible``: ``ReversibleTransformer`` (Auto mesh axes, and Explicit);
+* ``standard``: the same parameters with ``reversible=False``;
+* ``remat``: ``hk.layer_stack`` over ``hk.remat`` of the same layer, with the
+  same constraints (the best plain baseline; Auto mesh axes),
+
+and, at one depth, the collectives in the compiled HLO (``all-reduce``,
+``all-gather``, ``reduce-scatter``, ``collective-permute``, ``all-to-all``;
+a loop body's collectives counted once, as they are written).
+
+It needs 8 devices: ``main`` runs the measurement in a subprocess with 8
+forced CPU devices (``--xla_force_host_platform_device_count=8``).
+
+    python -m benchmarks.sharding [--depths 4 8 16 32] [--collectives-depth 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+NAME = "sharding"
+DEVICES = 8
+AXES = {"embed": "data", "heads": "model", "mlp": "model"}
+SHAPE = {"batch": 16, "time": 32, "model_size": 64, "mlp_size": 256, "heads": 4}
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+)
+_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """Collective operations written in an HLO module's text, by kind."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for match in _OP.finditer(hlo):
+        counts[match.group(1)] += 1
+    return counts
+
+
+def meshes() -> dict[str, Any]:
+    """The 4 x 2 mesh with Auto axes and with Explicit axes."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return {
+        "auto": Mesh(
+            np.array(jax.devices()[:DEVICES]).reshape(4, 2), ("data", "model")
+        ),
+        "explicit": jax.make_mesh((4, 2), ("data", "model")),
+    }
+
+
+def _remat_stack(spec: Any):
+    """A method interceptor running each ``ReversibleSequence`` as
+    ``hk.layer_stack`` over ``hk.remat`` of its block, stream constrained."""
+    import haiku as hk
+
+    from revnet import blocks
+
+    def intercept(next_f, args, kwargs, context):
+        seq = context.module
+        if (
+            not isinstance(seq, blocks.ReversibleSequence)
+            or context.method_name != "__call__"
+        ):
+            return next_f(*args, **kwargs)
+        (block_fn,) = seq.block_fns
+        x, *rest = args
+
+        def layer(h):
+            h = blocks.constrain(h, spec)
+            return blocks.constrain(block_fn(h, *rest, **kwargs), spec)
+
+        x = blocks.constrain(x, spec)
+        return hk.layer_stack(seq.num_layers, name="layers")(hk.remat(layer))(x)
+
+    return intercept
+
+
+def model(depth: int, method: str):
+    """``hk.transform`` of the encoder run as ``method``, and its loss."""
+    import haiku as hk
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from revnet import blocks
+
+    def forward(x):
+        enc = blocks.ReversibleTransformer(
+            depth,
+            SHAPE["heads"],
+            SHAPE["model_size"],
+            SHAPE["mlp_size"],
+            reversible=method == "reversible",
+            activation_sharding=P("data"),
+        )
+        if method == "remat":
+            with hk.intercept_methods(_remat_stack(P("data"))):
+                return enc(x, False)
+        return enc(x, False)
+
+    net = hk.transform(forward)
+
+    def loss(params, x):
+        return jnp.mean(jnp.sin(net.apply(params, None, x)) ** 2)
+
+    return net, loss
+
+
+def step(depth: int, method: str, mesh: Any):
+    """``(jit(grad(loss)), params, x)`` with sharded params and inputs."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from experiments.baselines import convert
+    from revnet import blocks
+
+    net, loss = model(depth, "reversible" if method == "remat" else method)
+    shape = (SHAPE["batch"], SHAPE["time"], SHAPE["model_size"])
+    x = jax.random.normal(jax.random.key(1), shape)
+    with jax.set_mesh(mesh):
+        params = jax.jit(net.init)(jax.random.key(0), x)
+        if method == "remat":
+            params = convert(params, "layer_stack")
+            net, loss = model(depth, "remat")
+        params = jax.device_put(
+            params, blocks.partition(params, mesh, blocks.TRANSFORMER_RULES, axes=AXES)
+        )
+        x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    return jax.jit(jax.grad(loss)), params, x
+
+
+def measure(depths: list[int], collectives_depth: int) -> list[dict]:
+    """The rows: one per (method, mode, depth)."""
+    import jax
+
+    import revnet
+
+    revnet.set_runtime_checks(False)
+    assert jax.device_count() >= DEVICES, jax.device_count()
+    rows = []
+    plan = [("reversible", "auto"), ("reversible", "explicit"), ("standard", "auto")]
+    plan.append(("remat", "auto"))
+    for method, mode in plan:
+        mesh = meshes()[mode]
+        for depth in depths:
+            fn, params, x = step(depth, method, mesh)
+            with jax.set_mesh(mesh):
+                compiled = fn.lower(params, x).compile()
+            row = {
+                "method": method,
+                "mode": mode,
+                "depth": depth,
+                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            }
+            if depth == collectives_depth:
+                row["collectives"] = count_collectives(compiled.as_text())
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--collectives-depth", type=int, default=8)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        rows = measure(args.depths, args.collectives_depth)
+        print(json.dumps(rows))
+        return rows
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}"
+    )
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, "-m", "benchmarks.sharding", "--worker", "--depths"]
+    command += [str(d) for d in args.depths]
+    command += ["--collectives-depth", str(args.collectives_depth)]
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"benchmarks.sharding worker failed:\n{proc.stderr[-4000:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(markdown(rows))
+    return rows
+
+
+def markdown(results: list[dict]) -> str:
+    """A memory table (MiB per device against depth) and a collectives table."""
+    depths = sorted({r["depth"] for r in results})
+    keys = list(dict.fromkeys((r["method"], r["mode"]) for r in results))
+    mib = {
+        (r["method"], r["mode"], r["depth"]): r["temp_bytes"] / 2**20 for r in results
+    }
+    lines = [
+        "| per-device temp MiB | " + " | ".join(f"depth {d}" for d in depths) + " |",
+        "|---" * (len(depths) + 1) + "|",
+    ]
+    for method, mode in keys:
+        cells = [f"{mib[method, mode, d]:.2f}" for d in depths]
+        lines.append(f"| {method} ({mode}) | " + " | ".join(cells) + " |")
+    counted = [r for r in results if "collectives" in r]
+    if counted:
+        lines += [
+            "",
+            f"| collectives in the HLO, depth {counted[0]['depth']} | "
+            + " | ".join(COLLECTIVES)
+            + " | total |",
+            "|---" * (len(COLLECTIVES) + 2) + "|",
+        ]
+        for r in counted:
+            c = r["collectives"]
+            cells = [str(c[k]) for k in COLLECTIVES] + [str(sum(c.values()))]
+            lines.append(f"| {r['method']} ({r['mode']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
