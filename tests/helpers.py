@@ -128,3 +128,4 @@ nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
 # before revnet can say so in one line; and it refuses a custom_vjp closing over
 # a tracer before revnet sees the function.
 UNDER_CUSTOM_VJP3 = bool(jax.config.jax_custom_vjp3)
+UNDER_SCAN3 = bool(jax.config.jax_scan3)

@@ -23,7 +23,7 @@ from jax import lax
 
 from revnet import NotInvertibleError, loops
 from revnet.loops import scan, while_loop
-from tests.helpers import UNDER_CUSTOM_VJP3, nondifferentiable
+from tests.helpers import UNDER_CUSTOM_VJP3, UNDER_SCAN3, nondifferentiable
 
 RTOL = {jnp.float32: 1e-5, jnp.float64: 1e-10}
 # Every example compiles a new program (~1 s on 2 cores): a third of the
@@ -948,6 +948,11 @@ _WEAK_MODES = [
 ]
 
 
+@pytest.mark.xfail(
+    UNDER_SCAN3,
+    reason="open: under JAX_SCAN3 the loops' carry loses its weak type",
+    strict=False,
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize(
     "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
@@ -986,6 +991,11 @@ def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, k
         _assert_tree_close(g_got, g_want, RTOL[dtype])
 
 
+@pytest.mark.xfail(
+    UNDER_SCAN3,
+    reason="open: under JAX_SCAN3 the loops' carry loses its weak type",
+    strict=False,
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize(
     "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]

@@ -65,9 +65,7 @@ def empty(carry: Sequence[Any], slots: int) -> list:
     fresh ``jnp.zeros`` would be replicated, and ``keep``'s ``where`` refuses
     mixing the two.
     """
-    return [
-        jnp.broadcast_to(jnp.zeros_like(c), (slots, *jnp.shape(c))) for c in carry
-    ]
+    return [jnp.broadcast_to(jnp.zeros_like(c), (slots, *jnp.shape(c))) for c in carry]
 
 
 def keep(buffers: Sequence[Any], carry: Sequence[Any], i: Any, every: int) -> list:
