@@ -7,6 +7,7 @@ loop, the argument, the value given and what was expected.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import aval, revolve, show
+from revnet._engine import aval, choose, revolve, show
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -139,12 +140,48 @@ def check_anchor_every(fname: str, anchor_every: Any) -> int | None:
     return positive_int(fname, "anchor_every", anchor_every)
 
 
-def check_invert(fname: str, invert: Any) -> bool | None:
-    if invert is None or isinstance(invert, (bool, np.bool_)):
-        return None if invert is None else bool(invert)
-    raise TypeError(
-        f"{fname}: invert must be None (automatic), True or False, got {show(invert)}"
-    )
+class Default(str):
+    """The default of ``mode=`` (``"auto"``), told apart from ``"auto"`` given."""
+
+
+AUTO = Default(choose.AUTO)
+
+# A sentinel: ``invert=`` was not given.
+UNSET: Any = object()
+
+_FROM_INVERT = {None: choose.AUTO, True: choose.INVERT, False: choose.CHECKPOINT}
+
+
+def check_mode(fname: str, mode: Any, invert: Any) -> str:
+    """The backward mode from ``mode=`` and the deprecated ``invert=``.
+
+    Raises:
+      TypeError: when both are given, or ``invert`` is not None or a bool.
+      ValueError: when ``mode`` is not one of the four modes.
+    """
+    if invert is not UNSET:
+        if mode is not AUTO:
+            raise TypeError(
+                f"{fname}: got both invert= and mode=; invert= is deprecated, "
+                "give mode= only"
+            )
+        if not (invert is None or isinstance(invert, (bool, np.bool_))):
+            raise TypeError(
+                f"{fname}: invert must be None (automatic), True or False, got "
+                f"{show(invert)}"
+            )
+        mode = _FROM_INVERT[None if invert is None else bool(invert)]
+        warnings.warn(
+            f"{fname}: invert={invert!r} is deprecated; use mode={mode!r}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if not isinstance(mode, str) or mode not in choose.MODES:
+        raise ValueError(
+            f"{fname}: mode must be one of {', '.join(map(repr, choose.MODES))}, "
+            f"got {show(mode)}"
+        )
+    return str(mode)
 
 
 def call(fname: str, run: Callable[..., Any], *args: Any) -> Any:

@@ -18,20 +18,31 @@ as :func:`revnet.invertible`; what it finds decides the backward mode:
   Example: a leapfrog step whose carry also holds a running maximum stores
   the maximum (one scalar a step), not the positions and momenta.
 * **Not invertible** (or partly invertible without a bound, or forced with
-  ``invert=False``): binomial checkpointing (Griewank's ``revolve``). The
+  ``mode="checkpoint"``): binomial checkpointing (Griewank's ``revolve``). The
   forward pass keeps the initial carry; the backward pass recomputes carries
   from at most ``checkpoints`` snapshots, placed where they minimise the body
   evaluations. It reads the number of steps at run time, so it works when that
   number is unknown (``while_loop``). Memory: ``checkpoints`` carries.
 
-The rule in full (:mod:`revnet._engine.modes`): ``invert=False`` always
-checkpoints; otherwise a carry that is invertible as a whole is inverted
-(``invert=True`` requires it, raising :class:`revnet.NotInvertibleError`
-that names the leaf and equation when it is not); a bounded loop in which
-inversion rebuilds at least one floating-point leaf whose update reads another
-leaf stores the others (leaves updated from themselves alone, such as a step
-counter ``i + 1`` or a clock ``t + dt``, do not count); anything else
-checkpoints. ``invert=False`` is for a body whose inverse is ill-conditioned.
+``mode=`` picks the rule (:mod:`revnet._engine.loops.choose`):
+
+* ``"auto"`` (the default): a carry that is invertible as a whole is
+  inverted; a bounded loop in which inversion rebuilds at least one
+  floating-point leaf whose update reads another leaf stores the others
+  (leaves updated from themselves alone, such as a step counter ``i + 1`` or
+  a clock ``t + dt``, do not count); anything else checkpoints.
+* ``"invert"``: the whole carry is rebuilt by inversion, or
+  :class:`revnet.NotInvertibleError` names the leaf and equation that
+  prevent it.
+* ``"store"``: what can be rebuilt is inverted and the rest stored at every
+  step; never checkpoints (a fully invertible body stores nothing). It needs
+  a bound (``scan``, or ``while_loop`` with ``max_steps``).
+* ``"checkpoint"``: always checkpoints, for a body whose inverse is
+  ill-conditioned.
+
+``invert=`` (``True``, ``False``, ``None``) is the deprecated spelling of
+``mode="invert"``, ``"checkpoint"`` and ``"auto"``; it still works, with a
+``DeprecationWarning``.
 
 In every mode the trip count is recorded by the forward pass, never recomputed
 from a rebuilt carry, and the backward pass runs exactly that many steps: its
@@ -67,9 +78,9 @@ from revnet._engine import (
     ScanParams,
     Stuck,
     check_options,
+    choose,
     expose,
     leaf_paths,
-    modes,
     not_invertible,
     scan_function,
     trace,
@@ -88,11 +99,12 @@ _BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
 # Shared by both loops.
 
 
-def _mode(jaxpr, nk: int, carry: range, bounded: bool, invert, fail) -> Any:
-    """The backward mode (:mod:`revnet._engine.modes`); ``fail(stuck)`` raises."""
+def _mode(jaxpr, carry: range, bounded: bool, mode: str, fail) -> Any:
+    """The backward mode (:mod:`revnet._engine.loops.choose`); ``fail(stuck)``
+    raises."""
     known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
     try:
-        return modes.choose(jaxpr, known_in, carry, bounded, invert)
+        return choose.choose_mode(jaxpr, known_in, carry, bounded, mode)
     except Stuck as stuck:
         raise fail(stuck) from None
 
@@ -105,14 +117,15 @@ def while_loop(
     cond_fun: Callable[[Any], Any],
     body_fun: Callable[[Any], Any],
     init_val: Any,
+    *,
     max_steps: int | None = None,
     checkpoints: int | None = None,
-    invert: bool | None = None,
+    mode: str = args.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
-    *,
     decisions: str = "store",
     kinks: str = "recompute",
+    invert: Any = args.UNSET,
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -160,9 +173,11 @@ def while_loop(
         which no step is evaluated more than ``ceil(log2 n) + 1`` times in the
         backward pass of an ``n``-step loop; 16 without ``max_steps``. Memory
         is ``checkpoints`` carries; fewer snapshots cost more recomputation.
-      invert: None (the default) picks the mode by the rule above; True
-        requires the whole carry to be rebuilt by inversion; False
-        checkpoints even an invertible body (for ill-conditioned inverses).
+      mode: ``"auto"`` (the default) picks the backward mode by the rule
+        above; ``"invert"`` requires the whole carry to be rebuilt by
+        inversion; ``"store"`` inverts what can be rebuilt and stores the rest
+        at every step (needs ``max_steps``); ``"checkpoint"`` checkpoints
+        even an invertible body (for ill-conditioned inverses).
       anchor_every: as in :func:`scan` (needs ``max_steps``: room is made
         for ``ceil(max_steps / anchor_every)`` carries).
       drift: as in :func:`scan`; without ``anchor_every`` the initial carry is
@@ -173,29 +188,38 @@ def while_loop(
         :func:`revnet.invertible`) is checkpointed, which recomputes them
         exactly; ``"recompute"`` lets such a body be inverted anyway.
       kinks: as in :func:`revnet.invertible`.
+      invert: deprecated: ``True``, ``False`` and ``None`` are
+        ``mode="invert"``, ``"checkpoint"`` and ``"auto"``.
 
     Returns:
       The final carry, with the structure of ``init_val``.
 
     Raises:
-      NotInvertibleError: with ``invert=True``, when ``body_fun`` cannot be
+      NotInvertibleError: with ``mode="invert"``, when ``body_fun`` cannot be
         inverted in the carry; the message names the equation, the carry leaf
         and the source line.
       TypeError: when ``cond_fun`` or ``body_fun`` is not callable,
         ``max_steps`` or ``checkpoints`` is not an integer (a bool is not
-        one), ``invert`` is not None or a bool, ``cond_fun`` does not return a
-        boolean scalar, ``body_fun`` changes the carry's type, or forward-mode
-        differentiation reaches the loop.
-      ValueError: when ``max_steps`` is negative, ``checkpoints`` or
-        ``anchor_every`` is below 1, or ``anchor_every`` is given without
-        ``max_steps``.
+        one), both ``invert`` and ``mode`` are given, ``cond_fun`` does not
+        return a boolean scalar, ``body_fun`` changes the carry's type, or
+        forward-mode differentiation reaches the loop.
+      ValueError: when ``mode`` is not one of the four modes, ``mode="store"``
+        is given without ``max_steps``, ``max_steps`` is negative,
+        ``checkpoints`` or ``anchor_every`` is below 1, or ``anchor_every`` is
+        given without ``max_steps``.
     """
     check_options(decisions, kinks, "while_loop")
     args.check_callable("while_loop", "cond_fun", cond_fun)
     args.check_callable("while_loop", "body_fun", body_fun)
     bound = args.check_max_steps(max_steps)
     slots = args.check_checkpoints("while_loop", checkpoints, bound)
-    invert = args.check_invert("while_loop", invert)
+    mode = args.check_mode("while_loop", mode, invert)
+    if mode == "store" and bound is None:
+        raise ValueError(
+            "while_loop: mode='store' stores carry leaves at every step and needs "
+            "max_steps (room for that many steps); give max_steps, or use "
+            "mode='checkpoint'"
+        )
     anchor_every = args.check_anchor_every("while_loop", anchor_every)
     drift = check_monitor("while_loop", drift)
     if anchor_every is not None and bound is None:
@@ -236,20 +260,19 @@ def while_loop(
     rebuilt = [False] * nk + [True] * len(leaves)
     if expose(body_jaxpr, rebuilt, decisions=decisions, kinks=kinks).n:
         # Decisions on the carry: only checkpointing makes them again exactly.
-        if invert:
+        if mode != "auto":
             raise ValueError(
                 f"while_loop: {bname} makes decisions on the carry (comparisons, "
                 "argmax, round, ...) that a while loop cannot store per step; use "
-                "invert=False (checkpointing recomputes them exactly) or "
+                "mode='checkpoint' (checkpointing recomputes them exactly) or "
                 "decisions='recompute'"
             )
-        invert = False
+        mode = "checkpoint"
     mode = _mode(
         body_jaxpr,
-        nk,
         range(nk, nk + len(leaves)),
         bound is not None,
-        invert,
+        mode,
         lambda stuck: not_invertible(stuck, paths, nk, bname),
     )
     report = None if drift is None else drift.reporter(f"revnet.while_loop({bname})")
@@ -279,13 +302,14 @@ def scan(
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    *,
     checkpoints: int | None = None,
-    invert: bool | None = None,
+    mode: str = args.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
-    *,
     decisions: str = "store",
     kinks: str = "recompute",
+    invert: Any = args.UNSET,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -330,9 +354,11 @@ def scan(
         + 1`` are used). Default: ``ceil(log2(length))``, for which no step is
         evaluated more than ``ceil(log2 length) + 1`` times in the backward
         pass.
-      invert: None (the default) picks the mode by the rule of
-        :mod:`revnet.loops`; True requires the whole carry to be rebuilt by
-        inversion; False checkpoints even an invertible ``f``.
+      mode: ``"auto"`` (the default) picks the backward mode by the rule of
+        :mod:`revnet.loops`; ``"invert"`` requires the whole carry to be
+        rebuilt by inversion; ``"store"`` inverts what can be rebuilt and
+        stores the rest at every step; ``"checkpoint"`` checkpoints even an
+        invertible ``f``.
       anchor_every: None, or a positive integer ``k``: when the carry is
         rebuilt by inversion, the forward pass also stores it before every
         ``k``-th step (``ceil(length / k)`` carries) and the backward pass
@@ -349,29 +375,32 @@ def scan(
         stored at every step and not made again on rebuilt values;
         ``"recompute"`` stores nothing.
       kinks: as in :func:`revnet.invertible`.
+      invert: deprecated: ``True``, ``False`` and ``None`` are
+        ``mode="invert"``, ``"checkpoint"`` and ``"auto"``.
 
     Returns:
       ``(final_carry, ys)`` with ``ys`` stacked along a leading axis, in the
       container ``f`` returns (a tuple, or a list when ``f`` returns a list).
 
     Raises:
-      NotInvertibleError: with ``invert=True``, when ``f`` cannot be inverted
-        in the carry.
+      NotInvertibleError: with ``mode="invert"``, when ``f`` cannot be
+        inverted in the carry.
       TypeError: when ``f`` is not callable, does not return a pair, or changes
-        the carry's type; when ``length``, ``reverse``, ``unroll``,
-        ``checkpoints`` or ``invert`` has the wrong type (a bool is not a
-        length; a traced value is not allowed); or when forward-mode
-        differentiation reaches the loop.
-      ValueError: when the lengths of ``xs`` and ``length`` disagree or neither
-        is given, when ``length`` or ``unroll`` is negative, or when
-        ``checkpoints`` or ``anchor_every`` is below 1.
+        the carry's type; when ``length``, ``reverse``, ``unroll`` or
+        ``checkpoints`` has the wrong type (a bool is not a length; a traced
+        value is not allowed); when both ``invert`` and ``mode`` are given; or
+        when forward-mode differentiation reaches the loop.
+      ValueError: when ``mode`` is not one of the four modes, when the lengths
+        of ``xs`` and ``length`` disagree or neither is given, when ``length``
+        or ``unroll`` is negative, or when ``checkpoints`` or ``anchor_every``
+        is below 1.
     """
     check_options(decisions, kinks, "scan")
     args.check_callable("scan", "f", f)
     length = args.check_length(length)
     reverse = args.check_reverse(reverse)
     unroll = args.check_unroll(unroll)
-    invert = args.check_invert("scan", invert)
+    mode = args.check_mode("scan", mode, invert)
     anchor_every = args.check_anchor_every("scan", anchor_every)
     drift = check_monitor("scan", drift)
     fname = args.name(f, "f")
@@ -417,15 +446,14 @@ def scan(
     exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
     mode = _mode(
         exposed.jaxpr,
-        nk,
         range(nk, nk + nc),
         True,
-        invert,
+        mode,
         lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
     )
     # Inverting or storing, the body also returns its decisions as extra ys;
     # checkpointing recomputes them exactly.
-    extra = 0 if mode.kind == modes.CHECKPOINT else exposed.n
+    extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
     body = exposed.jaxpr if extra else jaxpr
     sp = ScanParams(Body(body, ()), nk, nc, n, reverse, unroll)
     if drift is not None and anchor_every is None:

@@ -13,18 +13,19 @@ front-end.
 """
 
 from revnet._engine import (
+    calls,  # noqa: F401  (registers its rules)
     checks,
     cotangents,
     layout,  # noqa: F401  (registers the convolution evaluator)
-    modes,
     perturbed,
     registry,
-    revolve,
+    scan,  # noqa: F401  (registers its rule)
     select,  # noqa: F401  (registers its rules)
     shard_map,  # noqa: F401  (registers its rule)
     sharding,
 )
-from revnet._engine.analysis import LRU, PLAN_CACHE, analyze, stats
+from revnet._engine.analysis import PLAN_CACHE, analyze, stats
+from revnet._engine.cache import LRU
 from revnet._engine.decisions import (
     DECISIONS,
     KINKS,
@@ -42,10 +43,9 @@ from revnet._engine.errors import (
 )
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
-from revnet._engine.loops import while_function
+from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
-from revnet._engine.scan_loop import scan_function
 from revnet._engine.tracing import trace
 
 __all__ = [
@@ -70,7 +70,7 @@ __all__ = [
     "cotangents",
     "eval_body",
     "leaf_paths",
-    "modes",
+    "choose",
     "not_invertible",
     "perturbed",
     "sharding",

@@ -18,7 +18,6 @@ analysed again. :data:`stats` counts analyses and cache hits.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from revnet._engine import fingerprint, registry, sharding
 from revnet._engine import jaxpr as jx
+from revnet._engine.cache import LRU
 from revnet._engine.errors import (
     BROKEN,
     REFUSED,
@@ -44,30 +44,6 @@ STATIC_MAX_SIZE = 1 << 20
 # Counters for tests and benchmarks: ``analyses`` (full analyses run, nested
 # bodies included) and ``hits`` (plans served from the cache).
 stats = {"analyses": 0, "hits": 0}
-
-
-class LRU:
-    """A small bounded mapping; the least recently used entry goes first."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.data: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        hit = self.data.get(key)
-        if hit is None:
-            return default
-        self.data.move_to_end(key)
-        return hit
-
-    def put(self, key: Any, value: Any) -> None:
-        self.data[key] = value
-        self.data.move_to_end(key)
-        while len(self.data) > self.size:
-            self.data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self.data)
 
 
 PLAN_CACHE = LRU(512)

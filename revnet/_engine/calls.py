@@ -33,14 +33,6 @@ from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_
 from revnet._engine.plan import Call, Custom
 
 
-class LoopTag:
-    """Tags the backward of revnet's own loops (``loop_kind``: ``"scan"`` or
-    ``"while_loop"``), so that the analysis recognises their equations."""
-
-    def __init__(self, loop_kind: str):
-        self.loop_kind = loop_kind
-
-
 class CallRule(registry.StructuralRule):
     """Solves nested calls by their body's plan, ``custom_ivjp`` by its inverse."""
 

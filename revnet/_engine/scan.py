@@ -1,54 +1,24 @@
-"""The structural rule for ``scan``, and the reversed scan that runs it backwards.
+"""The structural rule for ``lax.scan``.
 
 A ``scan`` whose final carry is known and whose body is invertible in its carry
-(given the constants and its known ``xs``) is solved by :func:`reversed_scan`:
-ONE reverse ``lax.scan`` that rebuilds each carry from the next by the body's
+(given the constants and its known ``xs``) is solved by the invert mode of
+revnet's loops, :func:`revnet._engine.loops.invert.reversed_scan`: ONE reverse
+``lax.scan`` that rebuilds each carry from the next by the body's
 plan and, given cotangents, accumulates them step by step, so memory does not
 grow with the number of steps. A carry that is computed forward from known
 values only (``fori_loop``'s counter) is first run forward by a reduced scan
-(a :class:`~revnet._engine.plan.ScanAux` step). revnet's own ``scan`` calls
-:func:`reversed_scan` directly for its backward pass.
+(a :class:`~revnet._engine.plan.ScanAux` step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import jax.numpy as jnp
-
-from revnet._engine import analysis, checks, registry, select, sharding
-from revnet._engine import anchors as anc
-from revnet._engine import cotangents as ct
+from revnet._engine import analysis, registry, select
 from revnet._engine import jaxpr as jx
-from revnet._engine import perturbed as pb
 from revnet._engine.errors import Stuck
-from revnet._engine.interpreter import Handler, register_handler, run_plan
-from revnet._engine.plan import Plan, Scan, ScanAux
-
-
-def restrict(jaxpr: Any, out_idx: Sequence[int]) -> tuple[Any, list[int]]:
-    """The part of ``jaxpr`` that computes the outputs ``out_idx``.
-
-    Returns:
-      ``(sub, in_idx)``: ``sub`` has the inputs ``in_idx`` of ``jaxpr`` (the
-      ones those outputs depend on, in order) and the outputs ``out_idx``.
-    """
-    outs = [jaxpr.outvars[i] for i in out_idx]
-    need = {v for v in outs if not jx.is_literal(v)}
-    kept = []
-    for e in reversed(jaxpr.eqns):
-        if any(v in need for v in e.outvars if not jx.is_dropvar(v)):
-            kept.append(e)
-            need.update(a for a in e.invars if not jx.is_literal(a))
-    in_idx = [n for n, v in enumerate(jaxpr.invars) if v in need]
-    sub = jaxpr.replace(
-        invars=[jaxpr.invars[n] for n in in_idx],
-        outvars=outs,
-        eqns=list(reversed(kept)),
-        effects=jaxpr.effects,
-    )
-    return sub, in_idx
+from revnet._engine.interpreter import Handler, register_handler
+from revnet._engine.loops.choose import restrict
+from revnet._engine.loops.invert import reversed_scan
+from revnet._engine.plan import Scan, ScanAux
 
 
 class ScanRule(registry.StructuralRule):
@@ -199,165 +169,6 @@ class _ScanHandler(Handler):
         )
         it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], ins)
         return cts
-
-
-def reversed_scan(
-    sp: jx.ScanParams,
-    plan: Plan,
-    known_xs: Sequence[bool],
-    known_ys: Sequence[bool],
-    known: Sequence[Any],
-    outs: Sequence[Any],
-    out_cts: Sequence[Any] | None,
-    stored: Sequence[Any] | None = None,
-    anchors: anc.Anchors | None = None,
-    perturbed: Sequence[bool] | None = None,
-):
-    """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
-
-    Args:
-      sp: the scan: body, numbers of constants and carries, length, direction.
-      plan: the plan of the body, rebuilding the carry inputs from the carry
-        outputs (and the known ``ys``), given the constants and known ``xs``.
-      known_xs, known_ys: which ``xs`` and ``ys`` are known.
-      known: the scan's inputs (constants, carry, xs), None where unknown.
-      outs: its outputs (final carry, ys), None where unknown.
-      out_cts: cotangents of the outputs, or None for values only.
-      stored: for each carry leaf, None when the plan rebuilds it, or its
-        value before every step, stacked (the plan reads it as known).
-      anchors: carries stored every few steps (:mod:`.anchors`), from which
-        the backward pass continues; with cotangents only.
-      perturbed: which of the scan's inputs (constants, carry, xs) are
-        differentiated; None: every float one (:mod:`.perturbed`).
-
-    Returns:
-      ``(rebuilt values, input cotangents or None)``: the initial carry and
-      unknown ``xs``; cotangents of constants, initial carry and ``xs``. With
-      anchors that have a report, the drift at each anchor is reported.
-    """
-    nc, ncar = sp.num_consts, sp.num_carry
-    body_consts = list(sp.body.consts)
-    body_jaxpr = sp.body.jaxpr
-    consts = list(known[:nc])
-    xs_known = [x for x, k in zip(known[nc + ncar :], known_xs) if k]
-    final = list(outs[:ncar])
-    ys_known = [y for y, k in zip(outs[ncar:], known_ys) if k]
-    body_invars = body_jaxpr.invars[len(body_consts) :]
-    carry_avals = [jx.aval(v) for v in body_invars[nc : nc + ncar]]
-    const_avals = [jx.aval(v) for v in body_invars[:nc]]
-    x_avals = [jx.aval(v) for v in body_invars[nc + ncar :]]
-    y_avals = [jx.aval(v) for v in body_jaxpr.outvars[ncar:]]
-    const_float = [ct.is_float_aval(a) for a in const_avals]
-    checking = checks.enabled()
-    messages: list[str] = []
-    scan_kw = dict(length=sp.length, reverse=not sp.reverse, unroll=sp.unroll)
-    stored = list(stored) if stored is not None else [None] * ncar
-    mask = [v is not None for v in stored]
-    stored = [v for v in stored if v is not None]
-    nr = ncar - len(stored)  # carry leaves the plan rebuilds
-
-    if out_cts is None:
-        if anchors is not None:
-            raise ValueError("reversed_scan: anchors need cotangents")
-
-        def body(state, per):
-            carry, bad = state
-            x_t, y_t, s_t = per
-            with checks.scope() as sc:
-                vals, _ = run_plan(
-                    plan,
-                    body_jaxpr,
-                    body_consts + consts + list(s_t) + list(x_t),
-                    list(carry) + list(y_t),
-                )
-            carry = merge(vals[:nr], s_t, mask)
-            return (carry, checks.merge(bad, sc, messages)), vals[nr:]
-
-        (init, bad), xs_new = jx.scan(
-            body,
-            (final, jnp.int32(-1) if checking else None),
-            (xs_known, ys_known, stored),
-            **scan_kw,
-        )
-        checks.record_index(bad, messages)
-        return list(init) + list(xs_new), None
-
-    body_perturbed = None
-    if perturbed is not None:
-        nb = len(body_consts)
-        p_consts, p_xs = list(perturbed[:nc]), list(perturbed[nc + ncar :])
-        p_carry = pb.loop_carry(
-            body_jaxpr, [False] * nb + p_consts, perturbed[nc : nc + ncar], p_xs
-        )
-        body_perturbed = [False] * nb + p_consts + p_carry + p_xs
-    ct_ys = list(out_cts[ncar:])
-    # Cotangents of ys that are absent (zero) are made per step inside the body,
-    # never stacked over all steps.
-    has_ct_y = [c is not None and not ct.is_float0(c) for c in ct_ys]
-
-    def body(state, per):
-        carry, ctc, ctk, bad, (i, drift) = state
-        x_t, y_t, s_t, cty_present = per
-        present = iter(cty_present)
-        cty_t = [next(present) if h else None for h in has_ct_y]
-        cts_t = [
-            c if c is not None else ct.zeros(a)
-            for c, a in zip(list(ctc) + cty_t, [*carry_avals, *y_avals])
-        ]
-        with checks.scope() as sc:
-            vals, in_cts = run_plan(
-                plan,
-                body_jaxpr,
-                body_consts + consts + list(s_t) + list(x_t),
-                list(carry) + list(y_t),
-                cts_t,
-                body_perturbed,
-            )
-        bad = checks.merge(bad, sc, messages)
-        in_cts = in_cts[len(body_consts) :]
-        new_ctk = [
-            ct.add(a, b) if f else None
-            for a, b, f in zip(ctk, in_cts[:nc], const_float)
-        ]
-        new_ctc = ct.float_or_none(in_cts[nc : nc + ncar], carry_avals)
-        x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
-        carry = merge(vals[:nr], s_t, mask)
-        if anchors is not None:
-            carry, drift = anc.restore(anchors, carry, i, drift)
-            i = i - 1
-        return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
-
-    ct_consts0 = [
-        sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
-    ]
-    state = (
-        final,
-        ct.float_or_none(out_cts[:ncar], carry_avals),
-        ct_consts0,
-        jnp.int32(-1) if checking else None,
-        (None, None)
-        if anchors is None
-        else (
-            jnp.int32(sp.length - 1),
-            anc.start(anchors, anc.count(sp.length, anchors.every)),
-        ),
-    )
-    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = jx.scan(
-        body,
-        state,
-        (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),
-        **scan_kw,
-    )
-    checks.record_index(bad, messages)
-    if anchors is not None:
-        anc.report(anchors, drift, anc.count(sp.length, anchors.every))
-    return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
-
-
-def merge(rebuilt: Sequence[Any], kept: Sequence[Any], mask: Sequence[bool]) -> list:
-    """A carry from its rebuilt leaves and its kept ones (``mask``: which are kept)."""
-    rebuilt, kept = iter(rebuilt), iter(kept)
-    return [next(kept) if m else next(rebuilt) for m in mask]
 
 
 registry.register_structural(["scan"], ScanRule())

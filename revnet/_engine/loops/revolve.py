@@ -48,11 +48,6 @@ def default_slots(bound: int | None) -> int:
     return max(1, math.ceil(math.log2(max(bound, 1))))
 
 
-def binomial(s: int, r: int) -> int:
-    """``C(s + r, s)``: the most steps ``s`` snapshots reverse with ``r`` repeats."""
-    return math.comb(s + r, s)
-
-
 def _grow(b: jnp.ndarray, a: Any, j: Any) -> jnp.ndarray:
     """``C(a + j, j)`` from ``b = C(a + j - 1, j - 1)``, saturating at int32 max."""
     big = b > _INT32_MAX // (a + j)

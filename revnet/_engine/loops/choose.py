@@ -1,0 +1,140 @@
+"""How a loop's backward pass gets each carry: by inversion, storage or recomputation.
+
+The rule, applied by :func:`choose_mode` to the loop body's jaxpr (constants
+and ``xs`` known, the carry unknown, every output known), for each ``mode=``
+of ``revnet.while_loop`` and ``revnet.scan``:
+
+* ``"checkpoint"``: **checkpoint**. The backward pass recomputes carries from
+  snapshots (:mod:`.checkpoint`), whatever the body is.
+* ``"invert"``: **invert** (:mod:`.invert`): the whole carry is rebuilt by
+  inversion and the backward pass holds one carry, whatever the number of
+  steps; when it cannot be, :class:`~revnet._engine.errors.Stuck` is raised.
+* ``"store"`` (a loop with a bound on its steps): **invert** when the whole
+  carry can be rebuilt, otherwise **store** (:mod:`.store`): the leaves
+  inversion cannot rebuild are stored at every step and the others rebuilt.
+  Never checkpoints.
+* ``"auto"``: **invert** when the whole carry can be rebuilt; otherwise, in a
+  loop with a bound on its steps (``scan``, or ``while_loop`` with
+  ``max_steps``) in which inversion rebuilds, given the others, at least one
+  floating-point leaf whose update reads another leaf of the carry,
+  **store**; otherwise **checkpoint**. Leaves updated from themselves alone
+  (a step counter ``i + 1``, a clock ``t + dt``) do not make a carry partly
+  invertible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from revnet._engine import analysis
+from revnet._engine import jaxpr as jx
+from revnet._engine.cotangents import is_float_aval
+from revnet._engine.errors import Stuck
+from revnet._engine.loops.store import known_with, stored_set
+from revnet._engine.plan import Plan
+
+AUTO, INVERT, STORE, CHECKPOINT = "auto", "invert", "store", "checkpoint"
+MODES = (AUTO, INVERT, STORE, CHECKPOINT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How a loop's backward pass gets its carries.
+
+    Attributes:
+      kind: ``"invert"``, ``"store"`` or ``"checkpoint"``.
+      plan: the body's plan (None when checkpointing), rebuilding the carry
+        leaves that are not stored.
+      stored: for each carry leaf, whether it is stored at every step.
+    """
+
+    kind: str
+    plan: Plan | None
+    stored: tuple[bool, ...]
+
+
+def choose_mode(
+    jaxpr: Any,
+    known_in: Sequence[bool],
+    carry: Sequence[int],
+    bounded: bool,
+    mode: str,
+) -> Mode:
+    """The backward mode of a loop whose body is ``jaxpr``.
+
+    Args:
+      jaxpr: the body; every output is known when it is run backwards.
+      known_in: which inputs are known (constants, ``xs``); the carry is not.
+      carry: the positions of the carry's leaves among the inputs.
+      bounded: whether the number of steps has a bound known at trace time.
+      mode: ``"auto"``, ``"invert"``, ``"store"`` or ``"checkpoint"``.
+
+    Returns:
+      The mode, with the body's plan and the stored leaves.
+
+    Raises:
+      Stuck: when ``mode`` is ``"invert"`` and the carry cannot be rebuilt.
+      ValueError: when ``mode`` is ``"store"`` and ``bounded`` is False.
+
+    Example::
+
+        mode = choose_mode(jaxpr, (True, False), [1], True, "auto")
+    """
+    none = (False,) * len(carry)
+    if mode == CHECKPOINT:
+        return Mode(CHECKPOINT, None, none)
+    if mode == STORE and not bounded:
+        raise ValueError("a loop without a bound on its steps cannot store per step")
+    known_out = (True,) * len(jaxpr.outvars)
+    try:
+        return Mode(INVERT, analysis.analyze(jaxpr, known_in, known_out), none)
+    except Stuck as stuck:
+        if mode == INVERT:
+            raise
+        if not bounded:
+            return Mode(CHECKPOINT, None, none)
+        stored = stored_set(jaxpr, known_in, carry, stuck.unknown)
+    if mode == AUTO and not any(
+        _coupled_float(jaxpr, carry, k) for k, n in enumerate(carry) if n not in stored
+    ):
+        return Mode(CHECKPOINT, None, none)
+    plan = analysis.analyze(jaxpr, known_with(known_in, stored), known_out)
+    return Mode(STORE, plan, tuple(n in stored for n in carry))
+
+
+def _coupled_float(jaxpr: Any, carry: Sequence[int], k: int) -> bool:
+    """Whether carry leaf ``k`` is a float whose update reads another carry leaf.
+
+    A leaf updated from itself alone (a counter ``i + 1``, a clock ``t + dt``)
+    is rebuilt for free and says nothing about the rest of the carry.
+    """
+    if not is_float_aval(jx.aval(jaxpr.invars[carry[k]])):
+        return False
+    _, reads = restrict(jaxpr, [k])
+    return any(n in reads for n in carry if n != carry[k])
+
+
+def restrict(jaxpr: Any, out_idx: Sequence[int]) -> tuple[Any, list[int]]:
+    """The part of ``jaxpr`` that computes the outputs ``out_idx``.
+
+    Returns:
+      ``(sub, in_idx)``: ``sub`` has the inputs ``in_idx`` of ``jaxpr`` (the
+      ones those outputs depend on, in order) and the outputs ``out_idx``.
+    """
+    outs = [jaxpr.outvars[i] for i in out_idx]
+    need = {v for v in outs if not jx.is_literal(v)}
+    kept = []
+    for e in reversed(jaxpr.eqns):
+        if any(v in need for v in e.outvars if not jx.is_dropvar(v)):
+            kept.append(e)
+            need.update(a for a in e.invars if not jx.is_literal(a))
+    in_idx = [n for n, v in enumerate(jaxpr.invars) if v in need]
+    sub = jaxpr.replace(
+        invars=[jaxpr.invars[n] for n in in_idx],
+        outvars=outs,
+        eqns=list(reversed(kept)),
+        effects=jaxpr.effects,
+    )
+    return sub, in_idx

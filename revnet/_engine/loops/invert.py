@@ -1,0 +1,296 @@
+"""The invert mode: a loop run backwards, each carry rebuilt from the next.
+
+The forward pass saves only the final carry (and ``xs``, ``ys``, the trip
+count, the constants, the carry leaves :mod:`.store` keeps); the backward
+pass walks back step by step, rebuilding each carry from the next by the
+body's plan, fused with the body's VJP, so memory does not grow with the
+number of steps. With anchors (:mod:`.anchors`) it continues from the carry
+stored every ``k`` steps, so reconstruction error accumulates over at most
+``k`` steps.
+
+A scan is walked back by :func:`reversed_scan`, ONE reverse ``lax.scan``
+(the structural rule of ``lax.scan``, :mod:`revnet._engine.scan`, solves a
+scan inside an ``@invertible`` function with it too); a while loop, whose
+trip count is read at run time, by one ``lax.while_loop`` that counts it
+down (:func:`_walk_back`). :func:`backward` picks between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from revnet._engine import checks, sharding
+from revnet._engine import cotangents as ct
+from revnet._engine import jaxpr as jx
+from revnet._engine import perturbed as pb
+from revnet._engine.interpreter import run_plan
+from revnet._engine.loops import anchors as anc
+from revnet._engine.loops.choose import Mode
+from revnet._engine.loops.store import merge
+from revnet._engine.plan import Plan
+
+
+def reversed_scan(
+    sp: jx.ScanParams,
+    plan: Plan,
+    known_xs: Sequence[bool],
+    known_ys: Sequence[bool],
+    known: Sequence[Any],
+    outs: Sequence[Any],
+    out_cts: Sequence[Any] | None,
+    stored: Sequence[Any] | None = None,
+    anchors: anc.Anchors | None = None,
+    perturbed: Sequence[bool] | None = None,
+):
+    """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
+
+    Args:
+      sp: the scan: body, numbers of constants and carries, length, direction.
+      plan: the plan of the body, rebuilding the carry inputs from the carry
+        outputs (and the known ``ys``), given the constants and known ``xs``.
+      known_xs, known_ys: which ``xs`` and ``ys`` are known.
+      known: the scan's inputs (constants, carry, xs), None where unknown.
+      outs: its outputs (final carry, ys), None where unknown.
+      out_cts: cotangents of the outputs, or None for values only.
+      stored: for each carry leaf, None when the plan rebuilds it, or its
+        value before every step, stacked (the plan reads it as known).
+      anchors: carries stored every few steps (:mod:`.anchors`), from which
+        the backward pass continues; with cotangents only.
+      perturbed: which of the scan's inputs (constants, carry, xs) are
+        differentiated; None: every float one (:mod:`.perturbed`).
+
+    Returns:
+      ``(rebuilt values, input cotangents or None)``: the initial carry and
+      unknown ``xs``; cotangents of constants, initial carry and ``xs``. With
+      anchors that have a report, the drift at each anchor is reported.
+    """
+    nc, ncar = sp.num_consts, sp.num_carry
+    body_consts = list(sp.body.consts)
+    body_jaxpr = sp.body.jaxpr
+    consts = list(known[:nc])
+    xs_known = [x for x, k in zip(known[nc + ncar :], known_xs) if k]
+    final = list(outs[:ncar])
+    ys_known = [y for y, k in zip(outs[ncar:], known_ys) if k]
+    body_invars = body_jaxpr.invars[len(body_consts) :]
+    carry_avals = [jx.aval(v) for v in body_invars[nc : nc + ncar]]
+    const_avals = [jx.aval(v) for v in body_invars[:nc]]
+    x_avals = [jx.aval(v) for v in body_invars[nc + ncar :]]
+    y_avals = [jx.aval(v) for v in body_jaxpr.outvars[ncar:]]
+    const_float = [ct.is_float_aval(a) for a in const_avals]
+    checking = checks.enabled()
+    messages: list[str] = []
+    scan_kw = dict(length=sp.length, reverse=not sp.reverse, unroll=sp.unroll)
+    stored = list(stored) if stored is not None else [None] * ncar
+    mask = [v is not None for v in stored]
+    stored = [v for v in stored if v is not None]
+    nr = ncar - len(stored)  # carry leaves the plan rebuilds
+
+    if out_cts is None:
+        if anchors is not None:
+            raise ValueError("reversed_scan: anchors need cotangents")
+
+        def body(state, per):
+            carry, bad = state
+            x_t, y_t, s_t = per
+            with checks.scope() as sc:
+                vals, _ = run_plan(
+                    plan,
+                    body_jaxpr,
+                    body_consts + consts + list(s_t) + list(x_t),
+                    list(carry) + list(y_t),
+                )
+            carry = merge(vals[:nr], s_t, mask)
+            return (carry, checks.merge(bad, sc, messages)), vals[nr:]
+
+        (init, bad), xs_new = jx.scan(
+            body,
+            (final, jnp.int32(-1) if checking else None),
+            (xs_known, ys_known, stored),
+            **scan_kw,
+        )
+        checks.record_index(bad, messages)
+        return list(init) + list(xs_new), None
+
+    body_perturbed = None
+    if perturbed is not None:
+        nb = len(body_consts)
+        p_consts, p_xs = list(perturbed[:nc]), list(perturbed[nc + ncar :])
+        p_carry = pb.loop_carry(
+            body_jaxpr, [False] * nb + p_consts, perturbed[nc : nc + ncar], p_xs
+        )
+        body_perturbed = [False] * nb + p_consts + p_carry + p_xs
+    ct_ys = list(out_cts[ncar:])
+    # Cotangents of ys that are absent (zero) are made per step inside the body,
+    # never stacked over all steps.
+    has_ct_y = [c is not None and not ct.is_float0(c) for c in ct_ys]
+
+    def body(state, per):
+        carry, ctc, ctk, bad, (i, drift) = state
+        x_t, y_t, s_t, cty_present = per
+        present = iter(cty_present)
+        cty_t = [next(present) if h else None for h in has_ct_y]
+        cts_t = [
+            c if c is not None else ct.zeros(a)
+            for c, a in zip(list(ctc) + cty_t, [*carry_avals, *y_avals])
+        ]
+        with checks.scope() as sc:
+            vals, in_cts = run_plan(
+                plan,
+                body_jaxpr,
+                body_consts + consts + list(s_t) + list(x_t),
+                list(carry) + list(y_t),
+                cts_t,
+                body_perturbed,
+            )
+        bad = checks.merge(bad, sc, messages)
+        in_cts = in_cts[len(body_consts) :]
+        new_ctk = [
+            ct.add(a, b) if f else None
+            for a, b, f in zip(ctk, in_cts[:nc], const_float)
+        ]
+        new_ctc = ct.float_or_none(in_cts[nc : nc + ncar], carry_avals)
+        x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
+        carry = merge(vals[:nr], s_t, mask)
+        if anchors is not None:
+            carry, drift = anc.restore(anchors, carry, i, drift)
+            i = i - 1
+        return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
+
+    ct_consts0 = [
+        sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
+    ]
+    state = (
+        final,
+        ct.float_or_none(out_cts[:ncar], carry_avals),
+        ct_consts0,
+        jnp.int32(-1) if checking else None,
+        (None, None)
+        if anchors is None
+        else (
+            jnp.int32(sp.length - 1),
+            anc.start(anchors, anc.count(sp.length, anchors.every)),
+        ),
+    )
+    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = jx.scan(
+        body,
+        state,
+        (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),
+        **scan_kw,
+    )
+    checks.record_index(bad, messages)
+    if anchors is not None:
+        anc.report(anchors, drift, anc.count(sp.length, anchors.every))
+    return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
+
+
+def backward(
+    sp: jx.ScanParams,
+    mode: Mode,
+    consts: Sequence[Any],
+    xs: Sequence[Any],
+    ran: Any,
+    cts: tuple[Sequence[Any], Sequence[Any]],
+    perturbed: tuple[Sequence[bool], Sequence[bool], Sequence[bool]],
+    anchors: anc.Anchors | None,
+    step_hooks: Sequence[Callable[[Any], None]] = (),
+) -> tuple[list, list, list]:
+    """The cotangents of a loop's constants, initial carry and ``xs``.
+
+    Args:
+      sp: the loop as a scan; ``sp.length`` is None for a while loop (its trip
+        count is ``ran.steps``, read at run time).
+      mode: the plan rebuilding the carry, and the leaves stored instead.
+      consts, xs: the body's constants and the stacked ``xs`` (none for a
+        while loop).
+      ran: what the forward loop returned (:class:`.forward.Ran`).
+      cts: the cotangents of the final carry and of ``ys``.
+      perturbed: which constants, initial carry leaves and ``xs`` are
+        differentiated.
+      anchors: the stored anchors, or None.
+      step_hooks: callbacks given a while loop's remaining-step counter at
+        every backward iteration (a testing aid).
+
+    Returns:
+      ``(constants, initial carry, xs)`` cotangents, None where zero.
+
+    Example::
+
+        ct_k, ct_c, ct_x = backward(sp, mode, consts, xs, ran, cts, flags, None)
+    """
+    if sp.length is None:
+        p_k, p_c, _ = perturbed
+        body_perturbed = list(p_k) + pb.loop_carry(sp.body.jaxpr, p_k, p_c, [])
+        return _walk_back(
+            sp, mode, consts, ran, cts[0], body_perturbed, anchors, step_hooks
+        )
+    nk, nc = sp.num_consts, sp.num_carry
+    known_xs = (True,) * len(xs)
+    known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
+    with checks.scope() as top:
+        _, in_cts = reversed_scan(
+            sp,
+            mode.plan,
+            known_xs,
+            known_ys,
+            list(consts) + [None] * nc + list(xs),
+            list(ran.final) + list(ran.ys),
+            list(cts[0]) + list(cts[1]),
+            merge([None] * (nc - len(ran.stored)), ran.stored, mode.stored),
+            anchors,
+            [*perturbed[0], *perturbed[1], *perturbed[2]],
+        )
+    checks.raise_if_failed(top)
+    return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
+
+
+def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors, step_hooks):
+    """A while loop's backward pass: ``ran.steps`` steps back from the final
+    carry, in one ``lax.while_loop``."""
+    body_jaxpr, nk = sp.body.jaxpr, sp.num_consts
+    k_avals = [jx.aval(v) for v in body_jaxpr.invars[:nk]]
+    c_avals = [jx.aval(v) for v in body_jaxpr.invars[nk:]]
+    n, bufs, hooks = ran.steps, ran.stored, tuple(step_hooks)
+
+    def go(state):
+        return state[0] > 0
+
+    messages: list[str] = []
+
+    def step(state):
+        m, c, ctc, ctk, bad, drift = state
+        for hook in hooks:
+            jax.debug.callback(hook, m)
+        kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
+        with checks.scope() as sc:
+            prev, in_cts = run_plan(
+                mode.plan, body_jaxpr, list(bk) + kept, list(c), list(ctc), perturbed
+            )
+        bad = checks.merge(bad, sc, messages)
+        in_cts = ct.float_or_none(in_cts, k_avals + c_avals)
+        ctk = ct.add_into(ctk, in_cts[:nk])
+        prev = merge(prev, kept, mode.stored)
+        if anchors is not None:
+            prev, drift = anc.restore(anchors, prev, m - 1, drift)
+        return m - 1, prev, in_cts[nk:], ctk, bad, drift
+
+    state = (
+        n,
+        list(ran.final),
+        ct.float_or_none(list(cts), c_avals),
+        ct.float_or_none([None] * nk, k_avals),
+        jnp.int32(-1) if checks.enabled() else None,
+        None if anchors is None else anc.start(anchors, anc.slots(anchors)),
+    )
+    with checks.scope() as top:
+        _, _, ct_init, ct_k, bad, drift = lax.while_loop(go, step, state)
+        checks.record_index(bad, messages)
+    checks.raise_if_failed(top)
+    if anchors is not None:
+        every = anchors.every
+        anc.report(anchors, drift, jnp.where(n > 0, (n - 1) // every + 1, 0))
+    return ct_k, ct_init, []
