@@ -121,7 +121,7 @@ def run_loop(method: str, step, carry: tuple, n: Any, max_steps: int) -> tuple:
             body,
             (*carry, 0),
             max_steps=max_steps,
-            invert=False if method == "revnet checkpoint" else None,
+            mode="checkpoint" if method == "revnet checkpoint" else "auto",
         )
         return out[:-1]
     if method == "checkpointed lax.scan":

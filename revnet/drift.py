@@ -35,7 +35,7 @@ loop. Without a monitor nothing is measured. The monitor is bound when the
 function is traced: a jitted function keeps reporting to the monitor it was
 traced with. Readings arrive asynchronously, as the compiled program runs:
 ``jax.effects_barrier()`` waits for them. Loops that checkpoint
-(:func:`revnet.scan` with ``invert=False`` or a body that is not invertible)
+(:func:`revnet.scan` with ``mode="checkpoint"`` or a body that is not invertible)
 recompute exactly and report nothing.
 """
 

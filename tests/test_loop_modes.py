@@ -27,7 +27,7 @@ import pytest
 from jax import lax
 
 from revnet import NotInvertibleError, loops
-from revnet._engine import modes, revolve
+from revnet._engine import choose, revolve
 from revnet.loops import scan, while_loop
 from tests.helpers import UNDER_CUSTOM_VJP3, assert_trees_close
 
@@ -115,19 +115,19 @@ def _assert_tree_close(got, want, rtol):
 @contextlib.contextmanager
 def _modes_chosen():
     """Records the mode of every loop traced inside the block."""
-    seen: list[modes.Mode] = []
-    choose = modes.choose
+    seen: list[choose.Mode] = []
+    choose_mode = choose.choose_mode
 
     def record(*args, **kwargs):
-        mode = choose(*args, **kwargs)
+        mode = choose_mode(*args, **kwargs)
         seen.append(mode)
         return mode
 
-    modes.choose = record
+    choose.choose_mode = record
     try:
         yield seen
     finally:
-        modes.choose = choose
+        choose.choose_mode = choose_mode
 
 
 # --------------------------------------------------------------------------- #
@@ -139,7 +139,7 @@ def _modes_chosen():
     [
         ("leapfrog", dict(max_steps=50), "invert", (False, False, False)),
         ("leapfrog", dict(), "invert", (False, False, False)),
-        ("leapfrog", dict(max_steps=50, invert=False), "checkpoint", None),
+        ("leapfrog", dict(max_steps=50, mode="checkpoint"), "checkpoint", None),
         ("leapfrog_max", dict(max_steps=50), "store", (False, False, True, False)),
         # Without a bound the stored leaves have nowhere to go.
         ("leapfrog_max", dict(), "checkpoint", None),
@@ -175,13 +175,13 @@ def test_invert_true_names_the_leaf_that_cannot_be_rebuilt():
     p = _params(jnp.float32)
     c = _init("leapfrog_max", jnp.float32)
     with pytest.raises(NotInvertibleError, match=r"init_val\[2\]"):
-        _while("leapfrog_max", p, c, 3, max_steps=10, invert=True)
+        _while("leapfrog_max", p, c, 3, max_steps=10, mode="invert")
     with pytest.raises(NotInvertibleError, match=r"init\[0\]"):
         scan(
             lambda c, x: (_step("damped", p, c, x), None),
             _init("damped", jnp.float32),
             jnp.ones(3),
-            invert=True,
+            mode="invert",
         )
 
 
@@ -192,7 +192,7 @@ def test_invert_true_names_the_leaf_that_cannot_be_rebuilt():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize(
     "kw",
-    [dict(), dict(invert=False), dict(invert=False, checkpoints=2)],
+    [dict(), dict(mode="checkpoint"), dict(mode="checkpoint", checkpoints=2)],
     ids=["auto", "checkpoint", "checkpoint2"],
 )
 @pytest.mark.parametrize("kind", KINDS)
@@ -222,7 +222,7 @@ def _scan_ref(kind, p, c, xs, reverse=False):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-@pytest.mark.parametrize("kw", [dict(), dict(invert=False, checkpoints=3)])
+@pytest.mark.parametrize("kw", [dict(), dict(mode="checkpoint", checkpoints=3)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_scan_gradients_equal_the_unrolled_loop(kind, kw, reverse, dtype):
     with jax.enable_x64(dtype == jnp.float64):
@@ -268,7 +268,7 @@ def test_hessian_is_forward_over_reverse(kind):
             return _while(kind, p, (q, *c[1:]), 5, max_steps=8, **kw)
 
         want = jax.hessian(lambda q: _while_ref(kind, p, (q, *c[1:]), 5))(c[0])
-        for kw in (dict(), dict(invert=False)):
+        for kw in (dict(), dict(mode="checkpoint")):
             np.testing.assert_allclose(jax.hessian(loss)(c[0], **kw), want, rtol=1e-9)
 
 
@@ -467,16 +467,16 @@ def test_bad_invert():
     _one_line(e)
 
 
-@pytest.mark.parametrize("invert", [None, False])
-def test_a_body_that_changes_the_carry_structure(invert):
+@pytest.mark.parametrize("mode", ["auto", "checkpoint"])
+def test_a_body_that_changes_the_carry_structure(mode):
     with pytest.raises(TypeError, match="same structure") as e:
-        while_loop(lambda c: True, lambda c: (c, c * c), jnp.ones(2), invert=invert)
+        while_loop(lambda c: True, lambda c: (c, c * c), jnp.ones(2), mode=mode)
     _one_line(e)
     with pytest.raises(TypeError, match="same structure") as e:
-        scan(lambda c, x: ((c, c), None), jnp.ones(2), jnp.ones(3), invert=invert)
+        scan(lambda c, x: ((c, c), None), jnp.ones(2), jnp.ones(3), mode=mode)
     _one_line(e)
     with pytest.raises(TypeError, match="same shapes and dtypes") as e:
-        scan(lambda c, x: (c[:1] * x, None), jnp.ones(2), jnp.ones(3), invert=invert)
+        scan(lambda c, x: (c[:1] * x, None), jnp.ones(2), jnp.ones(3), mode=mode)
     _one_line(e)
 
 

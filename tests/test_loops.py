@@ -552,19 +552,19 @@ def test_invert_true_refuses_a_non_invertible_body_naming_the_equation():
         return x * x, i + 1  # x used twice: cannot be solved for x
 
     with pytest.raises(NotInvertibleError, match=r"`mul`.*test_loops\.py"):
-        while_loop(lambda c: c[1] < 3, body, (jnp.ones(3), 0), invert=True)
+        while_loop(lambda c: c[1] < 3, body, (jnp.ones(3), 0), mode="invert")
     with pytest.raises(NotInvertibleError, match="init"):
         scan(
             lambda c, x: (jnp.abs(c) + x, None),
             jnp.ones(3),
             jnp.ones((4, 3)),
-            invert=True,
+            mode="invert",
         )
     # No gradient is ever produced for them: the error comes at trace time.
     with pytest.raises(NotInvertibleError):
         jax.grad(
             lambda x: jnp.sum(
-                while_loop(lambda c: c[1] < 3, body, (x, 0), invert=True)[0]
+                while_loop(lambda c: c[1] < 3, body, (x, 0), mode="invert")[0]
             )
         )(jnp.ones(3))
 
@@ -857,10 +857,10 @@ def test_while_bad_arguments_are_one_line_and_named():
     cases = [
         (lambda: while_loop(3, lambda c: c, 0.0), "cond_fun"),
         (lambda: while_loop(lambda c: c < 1.0, "body", 0.0), "body_fun"),
-        (lambda: while_loop(lambda c: c < 1.0, lambda c: c, 0.0, np.True_), "True"),
+        (lambda: while_loop(lambda c: c < 1.0, lambda c: c, 0.0, max_steps=np.True_), "True"),
         (
             lambda: jax.jit(
-                lambda n: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, n)
+                lambda n: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, max_steps=n)
             )(3),
             "known at trace time",
         ),
@@ -909,20 +909,20 @@ def test_a_new_callback_in_the_same_body_is_called_not_the_cached_one():
 @contextlib.contextmanager
 def _modes_seen():
     """The backward modes chosen by the loops inside the block."""
-    from revnet._engine import modes
+    from revnet._engine import choose
 
-    seen, choose = [], modes.choose
+    seen, choose_mode = [], choose.choose_mode
 
     def record(*args, **kwargs):
-        mode = choose(*args, **kwargs)
+        mode = choose_mode(*args, **kwargs)
         seen.append(mode.kind)
         return mode
 
-    modes.choose = record
+    choose.choose_mode = record
     try:
         yield seen
     finally:
-        modes.choose = choose
+        choose.choose_mode = choose_mode
 
 
 def _types(tree):
@@ -944,7 +944,7 @@ def _weak_step(i, h, s, m, x, with_max):
 _WEAK_MODES = [
     ("invert", False, {}),
     ("store", True, {}),
-    ("checkpoint", True, {"invert": False}),
+    ("checkpoint", True, {"mode": "checkpoint"}),
 ]
 
 
@@ -1051,7 +1051,7 @@ def _zero_step_max(c, x, w):
 _ZERO_MODES = [
     ("invert", _zero_step, {}),
     ("store", _zero_step_max, {}),
-    ("checkpoint", _zero_step_max, {"invert": False}),
+    ("checkpoint", _zero_step_max, {"mode": "checkpoint"}),
 ]
 
 

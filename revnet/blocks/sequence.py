@@ -257,7 +257,7 @@ class ReversibleSequence(hk.Module):
                         body,
                         h,
                         per_layer,
-                        invert=True,
+                        mode="invert",
                         decisions=self.decisions,
                         kinks=self.kinks,
                         anchor_every=self.anchor_every,

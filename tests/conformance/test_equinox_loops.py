@@ -11,7 +11,7 @@ Equinox's loop kinds map onto revnet's modes:
   ``max_steps`` (revnet picks the mode; it can differentiate this one too);
 * ``"bounded"``: ``max_steps=...`` (revnet picks inversion, storage or
   checkpointing);
-* ``"checkpointed"``: ``invert=False, checkpoints=...`` (binomial
+* ``"checkpointed"``: ``mode="checkpoint", checkpoints=...`` (binomial
   checkpointing, as equinox's).
 
 Equinox's ``buffers=`` (a memory optimisation for arrays written in place) has
@@ -55,7 +55,7 @@ def _kind(kind, max_steps=None, checkpoints=None):
         return {}
     if kind == "bounded":
         return {"max_steps": max_steps}
-    return {"invert": False, "checkpoints": checkpoints, "max_steps": max_steps}
+    return {"mode": "checkpoint", "checkpoints": checkpoints, "max_steps": max_steps}
 
 
 @jax.custom_jvp
@@ -265,7 +265,7 @@ def test_backward_checkpointed(checkpoints, num_steps, backward_order, with_max_
             make_body_fun(mlp),
             (0, init_val1, init_val2),
             max_steps=max_steps,
-            invert=False,
+            mode="checkpoint",
             checkpoints=checkpoints,
         )
         return jnp.sum(v1) + jnp.sum(v2)
@@ -416,7 +416,7 @@ def test_nested_loops(read):
         if true:
             loop = ft.partial(_while_as_scan, max_steps=50)
         else:
-            loop = ft.partial(revnet.while_loop, max_steps=50, invert=False)
+            loop = ft.partial(revnet.while_loop, max_steps=50, mode="checkpoint")
         _, out = loop(cond, body, (step, vals))
         return out
 
@@ -450,7 +450,7 @@ def test_nested_loops(read):
         if true:
             loop = ft.partial(_while_as_scan, max_steps=10)
         else:
-            loop = ft.partial(revnet.while_loop, max_steps=10, invert=False)
+            loop = ft.partial(revnet.while_loop, max_steps=10, mode="checkpoint")
         return loop(cond, body, (step, vals))
 
     keys = jr.split(jr.PRNGKey(6), 5)
@@ -485,7 +485,7 @@ def test_zero_buffer():
 
     def run(init_val):
         return revnet.while_loop(
-            cond_fun, body_fun, (0, init_val), invert=False, max_steps=5
+            cond_fun, body_fun, (0, init_val), mode="checkpoint", max_steps=5
         )[1]
 
     out, vjp = jax.vjp(run, jnp.zeros((5, 0)))
@@ -529,7 +529,7 @@ def test_disable_jit():
         return 5
 
     with jax.disable_jit():
-        out = revnet.while_loop(cond_fun, body_fun, 3, max_steps=3, invert=False)
+        out = revnet.while_loop(cond_fun, body_fun, 3, max_steps=3, mode="checkpoint")
     assert int(out) == 5
 
 
@@ -542,7 +542,7 @@ def test_buffer_index():
         return jnp.sin(carry).at[..., 1:].set(0)
 
     init = jnp.arange(15.0).reshape(3, 5) / 10
-    out = revnet.while_loop(cond_fun, body_fun, init, invert=False, max_steps=2)
+    out = revnet.while_loop(cond_fun, body_fun, init, mode="checkpoint", max_steps=2)
     assert_tree_allclose(out, _while_as_scan(cond_fun, body_fun, init, 2))
     grad = jax.grad(
         lambda c: jnp.sum(revnet.while_loop(cond_fun, body_fun, c, max_steps=2) ** 2)
@@ -579,7 +579,7 @@ def test_nondifferentiable_body1():
 
     args = ((jnp.array(1.2), jnp.array([-5.0, -5.0, -5.0])), jnp.array(0.7))
     true = make(ft.partial(_while_as_scan, max_steps=3))(*args)
-    got = make(ft.partial(revnet.while_loop, max_steps=3, invert=False))(*args)
+    got = make(ft.partial(revnet.while_loop, max_steps=3, mode="checkpoint"))(*args)
     assert_tree_allclose(got, true)
 
 
@@ -607,7 +607,7 @@ def test_nondifferentiable_body2():
 
     args = (jnp.array(1.0), jnp.array(1.0), jnp.array(1.0), jnp.array(1.0))
     true = make(ft.partial(_while_as_scan, max_steps=3))(*args)
-    got = make(ft.partial(revnet.while_loop, max_steps=3, invert=False))(*args)
+    got = make(ft.partial(revnet.while_loop, max_steps=3, mode="checkpoint"))(*args)
     assert_tree_allclose(got, true)
 
 
@@ -709,8 +709,8 @@ def _scan_problem():
 
 SCAN_KINDS = {
     "lax": {},
-    "checkpointed": {"invert": False},
-    "inverted": {"invert": True},
+    "checkpointed": {"mode": "checkpoint"},
+    "inverted": {"mode": "invert"},
 }
 
 
