@@ -5,43 +5,32 @@
 backward pass, so its memory grows with the number of steps. revnet's loops
 differentiate any body in reverse mode, and use invertibility where it exists.
 The body is traced once to a jaxpr and read by the same invertibility analysis
-as :func:`revnet.invertible`; what it finds decides the backward mode:
+as :func:`revnet.invertible`; with ``mode=`` (the rule in full:
+:mod:`revnet._engine.loops.choose`), what it finds decides the backward pass:
 
-* **Invertible carry** (every leaf can be rebuilt from the step's outputs):
-  the forward pass keeps only the final carry, the trip count and the
-  closed-over constants, and the backward pass walks back step by step,
-  rebuilding each carry from the next by the body's inverse, fused with the
-  body's VJP. Memory does not depend on the number of steps.
-* **Partly invertible carry**, in a loop with a bound (``scan``, or
-  ``while_loop`` with ``max_steps``): the leaves that cannot be rebuilt are
-  stored at every step, and only those; the others are rebuilt by inversion.
-  Example: a leapfrog step whose carry also holds a running maximum stores
-  the maximum (one scalar a step), not the positions and momenta.
-* **Not invertible** (or partly invertible without a bound, or forced with
-  ``mode="checkpoint"``): binomial checkpointing (Griewank's ``revolve``). The
-  forward pass keeps the initial carry; the backward pass recomputes carries
-  from at most ``checkpoints`` snapshots, placed where they minimise the body
-  evaluations. It reads the number of steps at run time, so it works when that
-  number is unknown (``while_loop``). Memory: ``checkpoints`` carries.
-
-``mode=`` picks the rule (:mod:`revnet._engine.loops.choose`):
-
-* ``"auto"`` (the default): a carry that is invertible as a whole is
-  inverted; a bounded loop in which inversion rebuilds at least one
-  floating-point leaf whose update reads another leaf stores the others
-  (leaves updated from themselves alone, such as a step counter ``i + 1`` or
-  a clock ``t + dt``, do not count); anything else checkpoints.
-* ``"invert"``: the whole carry is rebuilt by inversion, or
-  :class:`revnet.NotInvertibleError` names the leaf and equation that
-  prevent it.
-* ``"store"``: what can be rebuilt is inverted and the rest stored at every
-  step; never checkpoints (a fully invertible body stores nothing). It needs
-  a bound (``scan``, or ``while_loop`` with ``max_steps``).
-* ``"checkpoint"``: always checkpoints, for a body whose inverse is
-  ill-conditioned.
+* ``"invert"``, for an **invertible carry** (every leaf can be rebuilt from
+  the step's outputs; :class:`revnet.NotInvertibleError` names the leaf and
+  equation that prevent it): the forward pass keeps only the final carry, the
+  trip count and the closed-over constants, and the backward pass walks back
+  step by step, rebuilding each carry from the next by the body's inverse,
+  fused with the body's VJP. Memory does not depend on the number of steps.
+* ``"store"``, for a **partly invertible carry** in a loop with a bound
+  (``scan``, or ``while_loop`` with ``max_steps``): the leaves that cannot be
+  rebuilt are stored at every step, and only those; the others are rebuilt by
+  inversion (a fully invertible body stores nothing). Example: a leapfrog
+  step whose carry also holds a running maximum stores the maximum.
+* ``"checkpoint"``, for any body (say, one whose inverse is ill-conditioned):
+  binomial checkpointing (Griewank's ``revolve``). The forward pass keeps the
+  initial carry; the backward pass recomputes carries from at most
+  ``checkpoints`` snapshots, placed where they minimise the body evaluations,
+  and reads the number of steps at run time. Memory: ``checkpoints`` carries.
+* ``"auto"`` (the default): inverts an invertible carry; in a bounded loop in
+  which inversion rebuilds at least one floating-point leaf whose update
+  reads another leaf (a step counter ``i + 1`` or a clock ``t + dt`` does
+  not count), stores the others; otherwise checkpoints.
 
 ``invert=`` (``True``, ``False``, ``None``) is the deprecated spelling of
-``mode="invert"``, ``"checkpoint"`` and ``"auto"``; it still works, with a
+``mode="invert"``, ``"checkpoint"`` and ``"auto"``, with a
 ``DeprecationWarning``.
 
 In every mode the trip count is recorded by the forward pass, never recomputed
@@ -146,18 +135,18 @@ def while_loop(
     weights' size, and summed afterwards. When all elements take the same
     number of steps, carrying the batch in ``val`` avoids that.)
 
-    Example::
+    Example:
 
-        def body(c):  # leapfrog: invertible in (q, p); the maximum is not
-            q, p, top, t = c
-            p = p - 0.5 * dt * grad_v(q)
-            q = q + dt * p
-            p = p - 0.5 * dt * grad_v(q)
-            return q, p, jnp.maximum(top, jnp.max(jnp.abs(q))), t + dt
-
-        # q and p are rebuilt by inversion; `top` is stored, a scalar a step.
-        q, p, top, t = revnet.while_loop(lambda c: c[3] < t_end, body,
-                                         (q0, p0, 0.0, 0.0), max_steps=1000)
+        >>> def body(c):  # invertible in (x, v); the running maximum is stored
+        ...     x, v, top = c
+        ...     v = v - 0.1 * jnp.sin(x)
+        ...     x = x + 0.1 * v
+        ...     return x, v, jnp.maximum(top, jnp.max(x))
+        >>> init = (jnp.ones(3), jnp.zeros(3), 0.0)
+        >>> x, v, top = revnet.while_loop(
+        ...     lambda c: c[2] < 2.0, body, init, max_steps=50, mode="store")
+        >>> x.shape
+        (3,)
 
     Args:
       cond_fun: ``cond_fun(val) -> bool scalar``.
@@ -325,15 +314,17 @@ def scan(
     step (partly invertible ``f``), or the initial carry (checkpointing). The
     backward pass is one loop over the steps, fused with ``f``'s VJP.
 
-    Example::
+    Example:
 
-        def step(c, w):
-            x1, x2 = c
-            x1 = x1 + jnp.tanh(x2 @ w[0])
-            x2 = x2 + jnp.tanh(x1 @ w[1])
-            return (x1, x2), jnp.mean(x2)
-
-        (x1, x2), means = revnet.scan(step, (x1, x2), weights)
+        >>> def step(c, w):
+        ...     x1, x2 = c
+        ...     x1 = x1 + jnp.tanh(x2 * w[0])
+        ...     x2 = x2 + jnp.tanh(x1 * w[1])
+        ...     return (x1, x2), jnp.mean(x2)
+        >>> init = (jnp.ones(3), jnp.zeros(3))
+        >>> (x1, x2), means = revnet.scan(step, init, jnp.ones((8, 2)))
+        >>> means.shape
+        (8,)
 
     Args:
       f: ``f(carry, x) -> (carry, y)``; the carry it returns must have the

@@ -578,3 +578,145 @@ def test_the_readme_loops_run_in_the_modes_the_readme_names():
     with _modes_chosen() as seen:
         exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
     assert [m.kind for m in seen] == ["invert", "store", "checkpoint"]
+
+
+# --------------------------------------------------------------------------- #
+# mode=, and the deprecated invert=.
+
+
+def _coupled(w, partial: bool):
+    """An additive coupling step; ``partial`` adds a running maximum, which
+    inversion cannot rebuild."""
+
+    def step(c, x=0.0):
+        x1, x2 = c[0], c[1]
+        x1 = x1 + jnp.tanh(x2 * w[0]) + x
+        x2 = x2 + jnp.sin(x1 * w[1])
+        return (x1, x2, jnp.maximum(c[2], jnp.max(x1))) if partial else (x1, x2)
+
+    return step
+
+
+def _mode_losses(loop: str, partial: bool):
+    """``(revnet loss, plain loss)`` of ``(init, w, xs)`` for one loop."""
+
+    def init_of(x1, x2):
+        return (x1, x2, jnp.zeros((), x1.dtype)) if partial else (x1, x2)
+
+    def total(c, ys=0.0):
+        return sum(jnp.sum(jnp.sin(v)) for v in c) + jnp.sum(ys)
+
+    if loop == "while_loop":
+
+        def ours(x1, x2, w, xs, mode):
+            step = _coupled(w, partial)
+            cond = lambda c: jnp.sum(c[0]) < 1e6  # noqa: E731
+            out = while_loop(cond, step, init_of(x1, x2), max_steps=5, mode=mode)
+            return total(out)
+
+        def plain(x1, x2, w, xs):
+            c = init_of(x1, x2)
+            for _ in range(5):
+                c = _coupled(w, partial)(c)
+            return total(c)
+
+        return ours, plain
+
+    def scan_step(w):
+        def f(c, x):
+            c = _coupled(w, partial)(c, x)
+            return c, jnp.sum(c[1] * x)
+
+        return f
+
+    def ours(x1, x2, w, xs, mode):
+        return total(*scan(scan_step(w), init_of(x1, x2), xs, mode=mode))
+
+    def plain(x1, x2, w, xs):
+        return total(*lax.scan(scan_step(w), init_of(x1, x2), xs))
+
+    return ours, plain
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("loop", ["while_loop", "scan"])
+@pytest.mark.parametrize(
+    "mode, partial",
+    [("auto", False), ("invert", False), ("store", False), ("store", True)]
+    + [("checkpoint", False)],
+)
+def test_every_mode_gives_autodiffs_gradient(mode, partial, loop, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        key = jax.random.split(jax.random.PRNGKey(3), 4)
+        x1, x2, w = (jax.random.normal(k, (3,), dtype) for k in key[:3])
+        xs = 0.1 * jax.random.normal(key[3], (4, 3), dtype)
+        ours, plain = _mode_losses(loop, partial)
+        with _modes_chosen() as seen:
+            got = jax.grad(ours, (0, 1, 2, 3))(x1, x2, w, xs, mode)
+        want = jax.grad(plain, (0, 1, 2, 3))(x1, x2, w, xs)
+        kinds = {"auto": "invert", "invert": "invert", "checkpoint": "checkpoint"}
+        assert seen[-1].kind == kinds.get(mode, "store" if partial else "invert")
+        rtol = 1e-5 if dtype == "float32" else 1e-10
+        assert_trees_close(got, want, rtol, what="gradient")
+
+
+def test_store_on_an_unbounded_while_loop_is_refused():
+    with pytest.raises(ValueError, match="max_steps.*mode='checkpoint'") as e:
+        while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, mode="store")
+    _one_line(e)
+
+
+def test_invert_mode_on_a_body_that_cannot_be_inverted():
+    with pytest.raises(NotInvertibleError):
+        scan(lambda c, x: (jnp.sin(c) * 0.0 + x, None), 1.0, jnp.ones(3), mode="invert")
+
+
+def test_a_bad_mode_lists_the_four():
+    with pytest.raises(ValueError, match="'auto', 'invert', 'store', 'checkpoint'"):
+        scan(lambda c, x: (c + x, None), 1.0, jnp.ones(3), mode="inverted")
+
+
+@pytest.mark.parametrize(
+    "invert, kind, spelling",
+    [(True, "invert", "invert"), (False, "checkpoint", "checkpoint")]
+    + [(None, "invert", "auto")],
+)
+def test_invert_is_deprecated_and_maps_to_a_mode(invert, kind, spelling):
+    def run(x):
+        return scan(lambda c, x: (c + x, None), x, jnp.ones(3), invert=invert)[0]
+
+    with _modes_chosen() as seen:
+        with pytest.warns(DeprecationWarning, match=f"mode='{spelling}'"):
+            jax.eval_shape(run, 1.0)
+        with pytest.warns(DeprecationWarning, match=f"mode='{spelling}'"):
+            jax.eval_shape(
+                lambda x: while_loop(
+                    lambda c: c < 3.0, lambda c: c + 1.0, x, max_steps=4, invert=invert
+                ),
+                1.0,
+            )
+    assert [m.kind for m in seen] == [kind, kind]
+
+
+def test_invert_and_mode_together_are_refused():
+    with pytest.raises(TypeError, match="both invert= and mode="):
+        scan(lambda c, x: (c + x, None), 1.0, jnp.ones(3), invert=True, mode="invert")
+    with pytest.raises(TypeError, match="both invert= and mode="):
+        while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, mode="auto", invert=None)
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError):
+        while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, 5)
+    with pytest.raises(TypeError):
+        scan(lambda c, x: (c + x, None), 1.0, jnp.ones(3), None, False, 1, 4)
+
+
+def test_docstring_examples():
+    import doctest
+
+    import revnet
+
+    result = doctest.testmod(loops, extraglobs={"jnp": jnp, "revnet": revnet})
+    assert result.attempted > 0
+    assert result.failed == 0
