@@ -160,9 +160,9 @@ def test_anchors_under_vmap_and_checkpointing():
     # A checkpointed loop recomputes exactly: anchors are not used, nothing is
     # reported, and the gradients are the same.
     monitor.clear()
-    got = jax.jit(batched(revnet.scan, anchor_every=4, drift=monitor, mode="checkpoint"))(
-        w, b, c
-    )
+    got = jax.jit(
+        batched(revnet.scan, anchor_every=4, drift=monitor, mode="checkpoint")
+    )(w, b, c)
     assert_trees_close(got, want, RTOL[jnp.float32], "checkpointed")
     jax.effects_barrier()
     assert monitor.readings == []

@@ -240,7 +240,9 @@ def test_while_loop_with_decisions_on_the_carry_is_checkpointed():
         return i + 1, a, b
 
     def run(a, b, **kw):
-        out = revnet.while_loop(lambda c: c[0] < 12, body, (0, a, b), max_steps=12, **kw)
+        out = revnet.while_loop(
+            lambda c: c[0] < 12, body, (0, a, b), max_steps=12, **kw
+        )
         return jnp.sum(jnp.sin(out[1])) + jnp.sum(out[2])
 
     def plain(a, b):
@@ -252,7 +254,8 @@ def test_while_loop_with_decisions_on_the_carry_is_checkpointed():
     want = jax.grad(plain, (0, 1))(a, b)
     got = jax.jit(jax.grad(run, (0, 1)))(a, b)
     assert max(bd.leaf_errors(got, want)) <= 1e-5
-    with pytest.raises(ValueError, match="makes decisions on the carry.*mode='checkpoint'"):
+    words = "makes decisions on the carry.*mode='checkpoint'"
+    with pytest.raises(ValueError, match=words):
         run(a, b, mode="invert")
 
 

@@ -857,10 +857,15 @@ def test_while_bad_arguments_are_one_line_and_named():
     cases = [
         (lambda: while_loop(3, lambda c: c, 0.0), "cond_fun"),
         (lambda: while_loop(lambda c: c < 1.0, "body", 0.0), "body_fun"),
-        (lambda: while_loop(lambda c: c < 1.0, lambda c: c, 0.0, max_steps=np.True_), "True"),
+        (
+            lambda: while_loop(lambda c: c < 1.0, lambda c: c, 0.0, max_steps=np.True_),
+            "True",
+        ),
         (
             lambda: jax.jit(
-                lambda n: while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, max_steps=n)
+                lambda n: while_loop(
+                    lambda c: c < 3.0, lambda c: c + 1.0, 0.0, max_steps=n
+                )
             )(3),
             "known at trace time",
         ),
