@@ -21,10 +21,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the digits example with ``argv`` (default: the command line)."""
     args = list(sys.argv[1:] if argv is None else argv)
     args = ["--smoke" if a in ("--tiny", "--quick") else a for a in args]
-    example = runpy.run_path(EXAMPLE, run_name="digits")
-    return example["main"](
-        list(dict.fromkeys(args)) if args.count("--smoke") > 1 else args
-    )
+    return runpy.run_path(EXAMPLE, run_name="digits")["main"](args)
 
 
 if __name__ == "__main__":
