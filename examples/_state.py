@@ -71,8 +71,10 @@ def save(directory: str, step: int, tree: Any, meta: dict, keep: int = 2) -> Non
         shutil.rmtree(old_path, ignore_errors=True)
 
 
-def load(directory: str, step: int, template: Any) -> tuple[Any, dict]:
+def load(directory: str, step: int, template: Any = None) -> tuple[Any, dict]:
     """Verifies and reads step ``step``; returns ``(tree, meta)``.
+
+    With ``template`` None, the tree comes back in orbax's own containers.
 
     Raises:
       StateError: The record does not parse, a file is missing, extra or fails
@@ -91,15 +93,20 @@ def load(directory: str, step: int, template: Any) -> tuple[Any, dict]:
     bad = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
     if bad:
         raise StateError(f"{path}: {bad[0]} is missing, extra or fails its SHA-256")
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+    target = None
+    if template is not None:
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template
+        )
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             tree = checkpointer.restore(path, target)
     except Exception as err:  # verified, yet unreadable: not ours
         raise StateError(f"{path} is unreadable ({type(err).__name__})") from None
     shapes = lambda t: [(x.shape, x.dtype) for x in jax.tree.leaves(t)]  # noqa: E731
-    if jax.tree.structure(tree) != jax.tree.structure(target) or shapes(tree) != shapes(
-        target
+    if target is not None and (
+        jax.tree.structure(tree) != jax.tree.structure(target)
+        or shapes(tree) != shapes(target)
     ):
         raise StateError(f"{path} does not match this run's state")
     return tree, record["meta"]
