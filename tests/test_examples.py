@@ -30,8 +30,8 @@ def _load_state_module():
 state = _load_state_module()
 
 
-def run_example(script: str, *flags: str, env: dict | None = None) -> None:
-    """Runs ``examples/<script>.py`` in a subprocess; fails with its output."""
+def run_example(script: str, *flags: str, env: dict | None = None) -> str:
+    """Runs ``examples/<script>.py`` in a subprocess; returns its stdout."""
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, f"{script}.py"), *flags],
         capture_output=True,
@@ -40,6 +40,7 @@ def run_example(script: str, *flags: str, env: dict | None = None) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def test_examples_are_short():
@@ -71,7 +72,8 @@ def test_interrupted_digits_run_resumes_exactly(tmp_path):
     resumed, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
     run_example("digits", "--smoke", "--epochs", "2", "--out", resumed, env=env)
     assert state.steps(os.path.join(resumed, "state")) == [1, 2]
-    run_example("digits", "--smoke", "--epochs", "3", "--out", resumed, env=env)
+    log = run_example("digits", "--smoke", "--epochs", "3", "--out", resumed, env=env)
+    assert "resuming after epoch 2" in log and "epoch 1:" not in log, log
     run_example("digits", "--smoke", "--epochs", "3", "--out", straight, env=env)
     trees = [state.load(os.path.join(d, "state"), 3) for d in (resumed, straight)]
     (tree_a, meta_a), (tree_b, meta_b) = trees
