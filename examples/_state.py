@@ -20,7 +20,6 @@ import shutil
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 FORMAT = "revnet-example-state-v1"
 
@@ -43,6 +42,16 @@ def _digests(path: str) -> dict[str, str]:
     return found
 
 
+def write_json(path: str, value: Any) -> None:
+    """Writes ``value`` as JSON atomically (temporary file, fsync, replace)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def steps(directory: str) -> list[int]:
     """The saved steps with a record, oldest first."""
     if not os.path.isdir(directory):
@@ -53,18 +62,15 @@ def steps(directory: str) -> list[int]:
 
 def save(directory: str, step: int, tree: Any, meta: dict, keep: int = 2) -> None:
     """Saves ``tree`` (arrays) and ``meta`` (JSON) as ``step``; keeps ``keep``."""
+    import orbax.checkpoint as ocp
+
     path = os.path.join(os.path.abspath(directory), f"step_{step:06d}")
     shutil.rmtree(path, ignore_errors=True)  # an unfinished earlier attempt
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, tree)
         checkpointer.wait_until_finished()
     record = {"format": FORMAT, "meta": meta, "sha256": _digests(path)}
-    tmp = f"{path}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path + ".json")
+    write_json(path + ".json", record)
     for old in steps(directory)[:-keep]:
         old_path = os.path.join(directory, f"step_{old:06d}")
         os.remove(old_path + ".json")
@@ -93,6 +99,8 @@ def load(directory: str, step: int, template: Any = None) -> tuple[Any, dict]:
     bad = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
     if bad:
         raise StateError(f"{path}: {bad[0]} is missing, extra or fails its SHA-256")
+    import orbax.checkpoint as ocp
+
     target = None
     if template is not None:
         target = jax.tree.map(

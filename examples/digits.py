@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from typing import NamedTuple
@@ -89,15 +88,6 @@ def gradient_gap(nets, ts: TrainingState, images, labels):
     return jnp.max(jnp.stack(jax.tree.leaves(diff))), jnp.max(
         jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads[1])])
     )
-
-
-def write_json(path: str, value: dict) -> None:
-    """Writes ``value`` as JSON atomically (temporary file, fsync, replace)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -189,8 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"config": {**run_config, "epochs": epochs}, "temp_bytes": temp}
     results["history"] = history
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "digits.json"), results)
+        _state.write_json(os.path.join(args.out, "digits.json"), results)
     return results
 
 

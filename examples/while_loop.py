@@ -18,12 +18,13 @@ compiled temp memory of ``jit(grad(loss))`` is printed for ``revnet.while_loop``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _state, and revnet from a checkout
 
+import _state  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -132,15 +133,6 @@ def temp_bytes(method: str, params: dict, q0, p0, n: int) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def write_json(path: str, value: dict) -> None:
-    """Writes ``value`` as JSON atomically (temporary file, fsync, replace)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
@@ -180,8 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"config": {"smoke": args.smoke, "batch": batch, "width": width}}
     results.update({"losses": losses, "memory": memory})
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "while_loop.json"), results)
+        _state.write_json(os.path.join(args.out, "while_loop.json"), results)
     return results
 
 
