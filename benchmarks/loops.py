@@ -46,7 +46,7 @@ STEPS = {
     "quick": [16, 128, 1024],
     "full": [8, 32, 128, 512, 2048, 8192],
 }
-COMPARE_STEPS = {"tiny": [16, 64], "quick": [16, 64, 256, 1024, 4096]}
+COMPARE_STEPS = {"tiny": [16], "quick": [16, 64, 256, 1024, 4096]}
 COMPARE_MAX_STEPS = {"tiny": [64, 256], "quick": [256, 1024, 4096, 16384]}
 METHODS = ("revnet.while_loop", "revnet.scan", "lax.scan", "checkpointed lax.scan")
 WIDTH = 32

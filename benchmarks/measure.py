@@ -148,8 +148,10 @@ def process_rounds(
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         }
         for r, name in rounds(list(payloads), repeats):
-            runs[name].append(run_worker(module, payloads[name], env))
-            print(f"[{module}] round {r} {name}: {runs[name][-1]}", flush=True)
+            res = run_worker(module, payloads[name], env)
+            runs[name].append(res)
+            shown = res.get("error") or f"{1e3 * res['median_s']:.2f} ms"
+            print(f"[{module}] round {r} {name}: {shown}", flush=True)
     out = {}
     for name, results in runs.items():
         good = [res for res in results if "error" not in res]
