@@ -282,9 +282,8 @@ def markdown(results: dict, out: str) -> str:
         f"![memory]({NAME}.png)",
     ]
     for name, res in results["models"].items():
-        parts.append(
-            f"### {name}\n\nSizes: `{res['sizes']}`. Missing: {res['missing']}"
-        )
+        missing = f" Missing: {res['missing']}" if res["missing"] else ""
+        parts.append(f"### {name}\n\nSizes: `{res['sizes']}`.{missing}")
         keys = ("temp_ratio", "flops_ratio", "time_ratio", "time_ratio_min")
         keys += ("time_ratio_max", "time_vs_best_plain", "temp_vs_best_plain")
         head = ["depth", "method", "temp MiB", "temp / std", "FLOPs / std"]
