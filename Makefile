@@ -19,7 +19,7 @@ $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
 	touch $@
 
 # The whole suite. The experiments extra is installed too so that the
-# experiment scripts' --quick paths are tested.
+# benchmarks' --tiny paths are tested.
 test: $(STAMP_TEST) $(STAMP_EXP)
 	$(PY) -m pytest -n 2 -q tests
 
@@ -41,7 +41,7 @@ test-next: $(STAMP_TEST)
 	done; exit $$status
 
 demo: $(STAMP_EXP)
-	$(PY) -m experiments.demo --quick --out results
+	$(PY) -m benchmarks.run --quick --out results
 
 # Random programs against plain JAX (make test runs 2,000 of them): prints the
 # counts per construct and the first failures; exits 1 if a program was wrong.
@@ -54,8 +54,8 @@ fuzz: $(STAMP_TEST)
 
 lint: $(STAMP_TEST)
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check revnet experiments tests
-	$(VENV)/bin/ruff format --check revnet experiments tests
+	$(VENV)/bin/ruff check revnet benchmarks examples experiments tests
+	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -1,1 +1,20 @@
-"""Benchmarks: each module has ``NAME``, ``main(argv)`` and ``markdown(results)``."""
+"""Benchmarks: each module has ``NAME``, ``main(argv)`` and ``markdown(results, out)``.
+
+``main`` parses ``--out DIR`` (default ``results``), ``--quick`` and ``--tiny``,
+writes ``DIR/<NAME>.json`` (and its plots, as PNGs) and returns the results;
+``markdown`` renders that JSON as the benchmark's section of ``REPORT.md``.
+:data:`BENCHMARKS` lists them in report order; ``python -m benchmarks.run``
+runs them. Adding a benchmark is one module and one entry here.
+"""
+
+# Report name -> module under ``benchmarks``.
+BENCHMARKS = {
+    "memory": "memory",
+    "speed": "speed",
+    "train": "training",
+    "numerics": "numerics",
+    "loops": "loops",
+    "overhead": "overhead",
+    "decisions": "decisions",
+    "sharding": "sharding",
+}

@@ -10,19 +10,19 @@ leaf's largest entry, and the compiled ``jit(grad)`` temp memory of the
 stored run is compared with the recomputed one: the difference is the bytes of
 the stored decisions.
 
-    python -m benchmarks.decisions [--depth 32]
+    python -m benchmarks.decisions [--quick | --tiny] [--out results]
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from benchmarks import measure
 
 NAME = "decisions"
 WIDTH, BATCH, EXPERTS = 8, 256, 4
@@ -129,10 +129,12 @@ def leaf_errors(got, want) -> list[float]:
 
 
 def temp_bytes(fun, *args) -> int:
+    """Compiled ``temp_size_in_bytes`` of the jitted ``fun`` at ``args``."""
     return fun.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def measure(name: str, depth: int) -> dict:
+def measure_program(name: str, depth: int) -> dict:
+    """Gradient errors and temp bytes of one program, stored and recomputed."""
     decide = PROGRAMS[name]
     ps, (a, b) = params(depth), inputs()
     want = jax.grad(loss_fn(decide), (0, 1, 2))(ps, a, b)
@@ -146,28 +148,26 @@ def measure(name: str, depth: int) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=32)
-    args = parser.parse_args(argv)
-    results = [measure(name, args.depth) for name in PROGRAMS]
-    print(markdown(results))
-    return results
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Measures every program; writes ``<out>/decisions.json``."""
+    args = measure.parse(__doc__, argv)
+    depth = 8 if args.tiny else 32
+    rows = [measure_program(name, depth) for name in PROGRAMS]
+    return measure.write_json(args.out, NAME, {"rows": rows})
 
 
-def markdown(results: list[dict]) -> str:
-    lines = [
-        "| F's decision | depth | gradient error, stored | gradient error, "
-        "recomputed | temp bytes, stored | temp bytes, recomputed |",
-        "|---|---|---|---|---|---|",
+def markdown(results: dict, out: str) -> str:
+    """Gradient errors and temp bytes, stored vs recomputed, per program."""
+    rows = [
+        [r["program"], r["depth"], r["error_store"], r["error_recompute"]]
+        + [f"{r['temp_store']:,}", f"{r['temp_recompute']:,}"]
+        for r in results["rows"]
     ]
-    for r in results:
-        lines.append(
-            f"| {r['program']} | {r['depth']} | {r['error_store']:.1e} | "
-            f"{r['error_recompute']:.1e} | {r['temp_store']:,} | "
-            f"{r['temp_recompute']:,} |"
-        )
-    return "\n".join(lines)
+    head = ["F's decision", "depth", "gradient error, stored"]
+    head += ["gradient error, recomputed", "temp bytes, stored"]
+    return "## Decisions in F: stored vs recomputed\n\n" + measure.table(
+        head + ["temp bytes, recomputed"], rows
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ a loop body's collectives counted once, as they are written).
 It needs 8 devices: ``main`` runs the measurement in a subprocess with 8
 forced CPU devices (``--xla_force_host_platform_device_count=8``).
 
-    python -m benchmarks.sharding [--depths 4 8 16 32] [--collectives-depth 8]
+    python -m benchmarks.sharding [--quick | --tiny] [--out results]
+        [--depths 4 8 16 32] [--collectives-depth 8]
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
+
+from benchmarks import measure
 
 NAME = "sharding"
 DEVICES = 8
@@ -131,7 +135,7 @@ def step(depth: int, method: str, mesh: Any):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from experiments.baselines import convert
+    from benchmarks.models import convert
     from revnet import blocks
 
     net, loss = model(depth, "reversible" if method == "remat" else method)
@@ -149,7 +153,7 @@ def step(depth: int, method: str, mesh: Any):
     return jax.jit(jax.grad(loss)), params, x
 
 
-def measure(depths: list[int], collectives_depth: int) -> list[dict]:
+def measure_rows(depths: list[int], collectives_depth: int) -> list[dict]:
     """The rows: one per (method, mode, depth)."""
     import jax
 
@@ -178,40 +182,46 @@ def measure(depths: list[int], collectives_depth: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--depths", type=int, nargs="+", default=None)
     parser.add_argument("--collectives-depth", type=int, default=8)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Measures in a subprocess with 8 CPU devices; writes ``sharding.json``."""
+    args = measure.parse(__doc__, argv, _flags)
+    depths = args.depths or ([4, 8] if args.tiny else [4, 8, 16, 32])
     if args.worker:
-        rows = measure(args.depths, args.collectives_depth)
-        print(json.dumps(rows))
-        return rows
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        print(json.dumps(measure_rows(depths, args.collectives_depth)))
+        return {}
     env = dict(
         os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}"
     )
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     command = [sys.executable, "-m", "benchmarks.sharding", "--worker", "--depths"]
-    command += [str(d) for d in args.depths]
+    command += [str(d) for d in depths]
     command += ["--collectives-depth", str(args.collectives_depth)]
-    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    command += ["--out", args.out]
+    proc = subprocess.run(
+        command, cwd=measure.ROOT, env=env, capture_output=True, text=True
+    )
     if proc.returncode:
         raise RuntimeError(f"benchmarks.sharding worker failed:\n{proc.stderr[-4000:]}")
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(markdown(rows))
-    return rows
+    return measure.write_json(args.out, NAME, {"rows": rows})
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: dict, out: str) -> str:
     """A memory table (MiB per device against depth) and a collectives table."""
+    results = results["rows"]
     depths = sorted({r["depth"] for r in results})
     keys = list(dict.fromkeys((r["method"], r["mode"]) for r in results))
     mib = {
         (r["method"], r["mode"], r["depth"]): r["temp_bytes"] / 2**20 for r in results
     }
     lines = [
+        "## Sharding: the transformer on a 4 x 2 mesh",
+        "",
         "| per-device temp MiB | " + " | ".join(f"depth {d}" for d in depths) + " |",
         "|---" * (len(depths) + 1) + "|",
     ]

@@ -534,7 +534,7 @@ def test_a_checkpointed_lax_scan_grows_with_max_steps_where_revnet_does_not():
 
 
 def test_the_comparison_counts_forward_recomputed_and_inverted_evaluations():
-    from experiments import loop_compare as lc
+    from benchmarks import loops as lc
 
     params, q0 = lc.init(jax.random.PRNGKey(0), 8, 2)
     n, m = 8, 32

@@ -1,7 +1,7 @@
 """Anchored reversible stacks: accuracy at depth, memory, and composition.
 
 The must-hold figures use the numerics experiment's own float32 depth-128
-stacks (``experiments.numerics``: random, non-identity parameters). Gradient
+stacks (``benchmarks.numerics``: random, non-identity parameters). Gradient
 errors are relative L2 errors against float64 backprop; memory is the compiled
 ``temp_size_in_bytes`` of ``jit(grad)``.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import revnet
-from experiments import numerics
+from benchmarks import numerics
 from revnet import blocks
 from tests.helpers import assert_trees_close, cast_floats
 
@@ -28,7 +28,7 @@ DEPTH = 128
 
 
 def _args():
-    return numerics.build_parser().parse_args([])
+    return numerics.Config()
 
 
 def _temp(fn, *args):
@@ -54,8 +54,8 @@ def test_anchor_every_16_at_depth_128(coupling):
     """Gradient error <= 3x standard backprop's; activation memory <= 1/8."""
     args = _args()
     x, c = _inputs(args)
-    std, _ = numerics._model(coupling, DEPTH, args, reversible=False)
-    anchored, _ = numerics._model(coupling, DEPTH, args, True, anchor_every=16)
+    std, _ = numerics.model(coupling, DEPTH, args, reversible=False)
+    anchored, _ = numerics.model(coupling, DEPTH, args, True, anchor_every=16)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     with jax.enable_x64(True):
         ref = jax.jit(_grad_fn(std))(
@@ -63,8 +63,8 @@ def test_anchor_every_16_at_depth_128(coupling):
         )
         g_std = jax.jit(_grad_fn(std))(params, x, c)
         g_anchored = jax.jit(_grad_fn(anchored))(params, x, c)
-        err_std = numerics._rel(g_std, ref)
-        err_anchored = numerics._rel(g_anchored, ref)
+        err_std = numerics.rel_error(g_std, ref)
+        err_anchored = numerics.rel_error(g_anchored, ref)
         assert err_std > 0
         assert err_anchored <= 3 * err_std, (err_anchored, err_std)
         temp_std = _temp(_grad_fn(std), params, x, c)
@@ -74,8 +74,8 @@ def test_anchor_every_16_at_depth_128(coupling):
 
 def _errors(coupling, args, x, c):
     """Reconstruction and reversible gradient error, no anchors, float32."""
-    std, _ = numerics._model(coupling, DEPTH, args, reversible=False)
-    rev, inv = numerics._model(coupling, DEPTH, args, reversible=True)
+    std, _ = numerics.model(coupling, DEPTH, args, reversible=False)
+    rev, inv = numerics.model(coupling, DEPTH, args, reversible=True)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     with jax.enable_x64(True):
         ref = jax.jit(_grad_fn(std))(
@@ -83,7 +83,7 @@ def _errors(coupling, args, x, c):
         )
         g_rev = jax.jit(_grad_fn(rev))(params, x, c)
         rebuilt = jax.jit(inv.apply)(params, None, jax.jit(rev.apply)(params, None, x))
-        return numerics._rel(rebuilt, x), numerics._rel(g_rev, ref)
+        return numerics.rel_error(rebuilt, x), numerics.rel_error(g_rev, ref)
 
 
 def test_the_default_affine_scale_is_100x_more_accurate_at_depth_128():
@@ -104,7 +104,7 @@ def test_anchor_every_one_holds_one_activation_per_layer():
     def growth(**kw):
         temps = []
         for depth in (16, 64):
-            net, _ = numerics._model("additive", depth, args, **kw)
+            net, _ = numerics.model("additive", depth, args, **kw)
             params = jax.jit(net.init)(jax.random.PRNGKey(0), x)
             with jax.enable_x64(True):  # the experiment's float64 loss
                 temps.append(_temp(_grad_fn(net), params, x, c))
@@ -231,8 +231,8 @@ def test_drift_monitor_reads_the_true_reconstruction_error():
     args = _args()
     x, c = _inputs(args)
     monitor = revnet.DriftMonitor()
-    std, _ = numerics._model("affine_bounded", DEPTH, args, reversible=False)
-    anchored, _ = numerics._model("affine_bounded", DEPTH, args, True, 16, monitor)
+    std, _ = numerics.model("affine_bounded", DEPTH, args, reversible=False)
+    anchored, _ = numerics.model("affine_bounded", DEPTH, args, True, 16, monitor)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     with jax.enable_x64(True):
         jax.block_until_ready(jax.jit(_grad_fn(anchored))(params, x, c))
@@ -246,11 +246,11 @@ def test_drift_monitor_reads_the_true_reconstruction_error():
 def test_drift_monitor_flags_the_old_soft_clamp_at_depth_128():
     args = _args()
     x, c = _inputs(args)
-    std, _ = numerics._model("affine_bounded", DEPTH, args, reversible=False)
+    std, _ = numerics.model("affine_bounded", DEPTH, args, reversible=False)
     params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
     for on_exceed in ("warn", "raise"):
         monitor = revnet.DriftMonitor(tolerance=1e-2, on_exceed=on_exceed)
-        net, _ = numerics._model("affine_bounded", DEPTH, args, True, drift=monitor)
+        net, _ = numerics.model("affine_bounded", DEPTH, args, True, drift=monitor)
         step = jax.jit(_grad_fn(net))
         expect = (
             pytest.warns(revnet.DriftWarning, match="exceeds the tolerance")

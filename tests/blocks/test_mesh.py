@@ -267,10 +267,11 @@ def test_example_smoke():
     assert losses[-1] < losses[0], losses
 
 
-def test_benchmark_memory_flat_and_collectives_bounded():
+def test_benchmark_memory_flat_and_collectives_bounded(tmp_path):
     from benchmarks import sharding
 
-    rows = sharding.main(["--depths", "4", "32", "--collectives-depth", "4"])
+    flags = ["--depths", "4", "32", "--collectives-depth", "4", "--out", str(tmp_path)]
+    rows = sharding.main(flags)["rows"]
     temp = {(r["method"], r["mode"], r["depth"]): r["temp_bytes"] for r in rows}
     for mode in ("auto", "explicit"):
         # Per device, equal to the byte from depth 4 to 32.

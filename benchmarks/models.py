@@ -1,33 +1,36 @@
-"""The networks the memory sweep trains, each in four ways on the same parameters.
+"""The networks the benchmarks train, every way, on the same parameters.
 
 A configuration is a JSON-able dict (a *spec*): ``model`` (``"mlp"``,
-``"revnet"``, ``"transformer"``), ``method``, ``depth``, ``batch`` and the model's
-sizes. Methods:
+``"conv"``, ``"revnet"``, ``"transformer"``), ``method``, ``depth``, ``batch``
+and the model's sizes. Methods:
 
 * ``standard``: the blocks with ``reversible=False``, ordinary backprop.
-* ``checkpoint``: the same ``reversible=False`` network with every coupling's
-  ``__call__`` wrapped in ``hk.remat`` (through ``hk.intercept_methods``), i.e.
-  per-block ``jax.checkpoint``: only block boundaries are stored.
+* ``checkpoint``: the same network with every coupling's ``__call__`` wrapped in
+  ``hk.remat`` (per-block ``jax.checkpoint``: only block boundaries stored).
 * ``reversible``: the blocks with ``reversible=True``.
 * ``generic`` (MLP only): the same math as a plain function, a ``lax.scan`` over
   the very same stacked weights inside ONE ``@revnet.invertible`` function.
-* ``plain``: the same block functions in a Python loop, plain Haiku with
-  ordinary backprop, the baseline a user has without revnet
-  (:mod:`experiments.baselines`);
+* ``plain``: the same block functions in a Python loop, each layer in its own
+  name scope: plain Haiku with ordinary, unrolled backprop, the baseline a user
+  has without revnet;
 * ``layer_stack``: the same block functions under ``hk.layer_stack``.
 
 All share one parameter tree (the ``standard`` model's ``init``, renamed or
-sliced per layer for the two plain layouts), so the measured differences come
-from the method alone.
+sliced per layer for the two plain layouts by :func:`convert`), so measured
+differences come from the method alone. The ``conv`` model is the stack the
+PyTorch peers MemCNN and RevLib benchmark (additive couplings whose ``F`` and
+``G`` are Conv2D - BatchNorm - ReLU - Conv2D).
 
-Models: ``mlp`` (tanh-linear additive couplings), ``conv`` (the conv stack the
-PyTorch peers MemCNN and RevLib benchmark: additive couplings whose ``F`` and
-``G`` are Conv2D - BatchNorm - ReLU - Conv2D), ``revnet`` and ``transformer``.
+Run as ``python -m benchmarks.models '<spec json>'`` it is the fresh-process
+worker: it runs ``spec.get("steps", 3)`` SGD steps and prints the peak RSS, or
+with ``"time_steps": n`` times ``n`` gradient steps and prints their median.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
-from experiments import baselines, common
+from benchmarks import measure
 from revnet import blocks
 
 MODELS = ("mlp", "conv", "revnet", "transformer")
@@ -276,8 +279,8 @@ def build(
         if counter is not None:
             with hk.intercept_methods(_remat_couplings(counter)):
                 return forward(x, is_training)
-        if method in baselines.PLAIN_METHODS:
-            with hk.intercept_methods(baselines.interceptor(method)):
+        if method in PLAIN_METHODS:
+            with hk.intercept_methods(plain_interceptor(method)):
                 return forward(x, is_training)
         return forward(x, is_training)
 
@@ -292,13 +295,11 @@ def build(
     else:
         x, y = example_batch(spec)
         if init is None:
-            init = common.init_unoptimised(
-                init_net.init, key, x, True, static_argnums=(2,)
-            )
+            init = init_unoptimised(init_net.init, key, x, True, static_argnums=(2,))
         params, state = init
     base = (params, state)
-    if method in baselines.PLAIN_METHODS:
-        params, state = (baselines.convert(t, method) for t in (params, state))
+    if method in PLAIN_METHODS:
+        params, state = (convert(t, method) for t in (params, state))
 
     if method == "generic":
 
@@ -319,3 +320,163 @@ def build(
 
     num_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
     return Built(grad_step, (params, state, x, y), int(num_params), counter, base)
+
+
+PLAIN_METHODS = ("plain", "layer_stack")
+_STACKED = "/~/layers/"
+
+
+def plain_interceptor(method: str) -> Callable[..., Any]:
+    """A method interceptor running each ``ReversibleSequence`` as ``method``."""
+    if method not in PLAIN_METHODS:
+        raise ValueError(f"unknown plain method {method!r}; use {PLAIN_METHODS}")
+
+    def intercept(next_f, args, kwargs, context):
+        seq = context.module
+        if (
+            not isinstance(seq, blocks.ReversibleSequence)
+            or context.method_name != "__call__"
+        ):
+            return next_f(*args, **kwargs)
+        if len(seq.block_fns) != 1:
+            raise ValueError(
+                f"{seq.module_name}: only a repeated block can be run as {method}"
+            )
+        (block_fn,) = seq.block_fns
+        x, *rest = args
+
+        def layer(h):
+            return block_fn(h, *rest, **kwargs)
+
+        if method == "layer_stack":
+            return hk.layer_stack(seq.num_layers, name="layers")(layer)(x)
+        for i in range(seq.num_layers):
+            with hk.name_scope(f"layer_{i}"):
+                x = layer(x)
+        return x
+
+    return intercept
+
+
+def compare_to_best_plain(stats: dict[str, dict[str, Any]]) -> str | None:
+    """Adds ratios to the best plain baseline to each method's measurements.
+
+    Args:
+      stats: ``{method: {"median_s", "temp_bytes", ...}}`` at one depth.
+
+    Returns:
+      The best plain method, the faster (median step time) of those in
+      :data:`PLAIN_METHODS` that were timed, or None if none was. Every timed
+      entry gains ``time_vs_best_plain`` and ``temp_vs_best_plain``.
+    """
+    timed = [m for m in PLAIN_METHODS if "median_s" in stats.get(m, {})]
+    if not timed:
+        return None
+    name = min(timed, key=lambda m: stats[m]["median_s"])
+    best = stats[name]
+    for entry in stats.values():
+        if "median_s" in entry:
+            entry["time_vs_best_plain"] = entry["median_s"] / best["median_s"]
+            entry["temp_vs_best_plain"] = entry["temp_bytes"] / max(
+                best["temp_bytes"], 1.0
+            )
+    return name
+
+
+def convert(tree: Any, method: str) -> Any:
+    """The reversible model's ``tree`` (params or state) in ``method``'s layout.
+
+    Args:
+      tree: A Haiku params or state mapping of a model built with
+        ``ReversibleSequence``s (either ``reversible`` setting).
+      method: ``"plain"`` or ``"layer_stack"``.
+
+    Returns:
+      A new mapping: stacked leaves are renamed (``layer_stack``) or sliced
+      into one entry per layer (``plain``); other entries are unchanged.
+    """
+    if method not in PLAIN_METHODS:
+        raise ValueError(f"unknown plain method {method!r}; use {PLAIN_METHODS}")
+    out: dict[str, Any] = {}
+    for path, leaves in tree.items():
+        if _STACKED not in path:
+            out[path] = leaves
+            continue
+        head, tail = path.rsplit(_STACKED, 1)
+        if method == "layer_stack":
+            out[f"{head}/layers/{tail}"] = leaves
+            continue
+        depth = len(next(iter(leaves.values())))
+        for i in range(depth):
+            out[f"{head}/layer_{i}/{tail}"] = {
+                k: _layer(v, i) for k, v in leaves.items()
+            }
+    return out
+
+
+def _layer(leaf: Any, i: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # an abstract (eval_shape) tree
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    return leaf[i]
+
+
+def init_unoptimised(init: Callable[..., Any], *args: Any, static_argnums=()) -> Any:
+    """``jax.jit(init)(*args)`` compiled without XLA backend optimisation.
+
+    An optimised CPU compile of a RevNet's ``init`` takes ~20 s on a loaded
+    2-core machine, ~3 s at ``xla_backend_optimization_level=0``; the values
+    agree to float32 rounding, and every method starts from this one init.
+    """
+    dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
+    lowered = jax.jit(init, static_argnums=static_argnums).lower(*args)
+    return lowered.compile({"xla_backend_optimization_level": 0})(*dynamic)
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's peak RSS of SGD steps, or its median step time.
+
+    ``peak_rss_mib`` is the whole process's peak (imports and compilation);
+    the high-water mark is then reset just before the steps, so
+    ``step_peak_rss_mib`` and ``step_rss_increase_mib`` (over the resident
+    memory before them) are the steps' own (``step_hwm_reset`` says whether
+    the reset worked).
+    """
+    built = build(spec)
+    if "time_steps" in spec:
+        compiled, stats = measure.compile_stats(built.grad_step, *built.args)
+        step = {"step": lambda: compiled(*built.args)}
+        times = measure.median_times(step, int(spec["time_steps"]))["step"]
+        keep = ("temp_bytes", "flops", "compile_s")
+        return {**times, **{k: stats[k] for k in keep}}
+
+    def train_step(params, state, x, y):
+        loss, grads, state = built.grad_step(params, state, x, y)
+        params = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+        return params, state, loss
+
+    params, state, x, y = built.args
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(*built.args).compile()
+    setup_peak = measure.rss_mib()
+    reset = measure.reset_peak_rss()
+    before = measure.rss_mib("VmRSS")
+    steps = int(spec.get("steps", 3))
+    for _ in range(steps):
+        params, state, loss = compiled(params, state, x, y)
+    jax.block_until_ready(loss)
+    step_peak = measure.rss_mib("VmHWM") if reset else None
+    if before is None or step_peak is None:  # not Linux: compile-dominated
+        before, step_peak, reset = before or setup_peak, measure.rss_mib(), False
+    return {
+        "peak_rss_mib": max(setup_peak, measure.rss_mib()),
+        "setup_peak_rss_mib": setup_peak,
+        "rss_before_step_mib": before,
+        "step_peak_rss_mib": step_peak,
+        "step_rss_increase_mib": step_peak - before,
+        "step_hwm_reset": reset,
+        "steps": steps,
+        "loss": float(loss),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(json.loads(sys.argv[1]))))

@@ -1,0 +1,270 @@
+"""The one place that measures: every benchmark's numbers come from here.
+
+* **Memory** of a compiled program: ``jax.jit(f).lower(*args).compile()`` and
+  its ``memory_analysis()`` (``temp_size_in_bytes``, the activation and
+  workspace memory XLA plans; deterministic).
+* **FLOPs**: ``cost_analysis()['flops']`` of the same executable. XLA counts a
+  ``scan``/``while`` body ONCE, whatever its trip count.
+* **Time**: medians over interleaved rounds (each round calls every candidate
+  once, in a rotating order) after warm-up, with ``block_until_ready``; in one
+  process (:func:`median_times`) or one fresh process per sample
+  (:func:`process_rounds`). Shared machines are noisy: report ratios, min/max.
+* **Peak resident memory** in a fresh process (:func:`run_worker`, and
+  :func:`rss_mib` / :func:`reset_peak_rss` inside it).
+* **Output**: JSON with the machine and versions, written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MIB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
+    """Parses ``--out DIR``, ``--quick``, ``--tiny`` (implies quick) and ``add``'s."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default="results", help="output folder")
+    parser.add_argument("--quick", action="store_true", help="a smaller run")
+    parser.add_argument("--tiny", action="store_true", help="smallest (tests)")
+    if add is not None:
+        add(parser)
+    args = parser.parse_args(argv)
+    args.quick = args.quick or args.tiny
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def compile_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
+    """``(compiled, stats)`` of ``jax.jit(fn)`` for ``args``: bytes, FLOPs, time."""
+    import jax
+
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per device
+        cost = cost[0]
+    return compiled, {
+        "temp_bytes": float(mem.temp_size_in_bytes),
+        "argument_bytes": float(mem.argument_size_in_bytes),
+        "output_bytes": float(mem.output_size_in_bytes),
+        "total_bytes": float(
+            mem.temp_size_in_bytes
+            + mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+        ),
+        "flops": float(cost.get("flops", float("nan"))),
+        "compile_s": seconds,
+    }
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """``{"median_s", "min_s", "max_s", "repeats"}`` of timing samples."""
+    return {
+        "median_s": float(statistics.median(samples)),
+        "min_s": float(min(samples)),
+        "max_s": float(max(samples)),
+        "repeats": len(samples),
+    }
+
+
+def rounds(names: Sequence[str], repeats: int):
+    """``(round, name)`` pairs: every name once a round, in a rotating order."""
+    for r in range(repeats):
+        for name in list(names[r % len(names) :]) + list(names[: r % len(names)]):
+            yield r, name
+
+
+def median_times(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2
+) -> dict[str, dict[str, float]]:
+    """Times zero-argument callables in interleaved rounds, in this process."""
+    import jax
+
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _, name in rounds(list(fns), repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fns[name]())
+        samples[name].append(time.perf_counter() - start)
+    return {name: summarize(s) for name, s in samples.items()}
+
+
+def run_worker(
+    module: str, payload: Any, env: dict[str, str] | None = None, timeout: float = 1800
+) -> dict[str, Any]:
+    """Runs ``python -m module '<payload json>'`` in a fresh process.
+
+    Returns:
+      The last JSON line it printed, or ``{"error": message}``.
+    """
+    cmd = [sys.executable, "-m", module, json.dumps(payload)]
+    env = {**os.environ, "REVNET_RUNTIME_CHECKS": "0", **(env or {})}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def process_rounds(
+    module: str, payloads: dict[str, Any], repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Interleaved rounds of fresh workers that each report a ``median_s``.
+
+    Compiled programs are shared between rounds through a persistent cache, so
+    only timing is repeated. Each entry summarizes the processes' medians and
+    keeps the first worker's other figures, or holds the last ``error``.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in payloads}
+    with tempfile.TemporaryDirectory(prefix="revnet-bench-") as cache:
+        env = {
+            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        }
+        for r, name in rounds(list(payloads), repeats):
+            res = run_worker(module, payloads[name], env)
+            runs[name].append(res)
+            shown = res.get("error") or f"{1e3 * res['median_s']:.2f} ms"
+            print(f"[{module}] round {r} {name}: {shown}", flush=True)
+    out = {}
+    for name, results in runs.items():
+        good = [res for res in results if "error" not in res]
+        if not good:
+            out[name] = {"error": results[-1]["error"]}
+            continue
+        medians = [res["median_s"] for res in good]
+        out[name] = {**good[0], **summarize(medians), "process_medians_s": medians}
+    return out
+
+
+def rss_mib(field: str | None = None) -> float | None:
+    """``ru_maxrss`` of this process in MiB, or a ``/proc/self/status`` field."""
+    if field is None:
+        scale = 1 if sys.platform == "darwin" else 1024  # Linux: KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / MIB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Resets the peak RSS (``VmHWM``) to the current RSS; True on success."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a synced temporary file and a rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return _jsonable(value.item())
+    return value
+
+
+def write_json(out: str, name: str, results: dict[str, Any]) -> dict[str, Any]:
+    """Adds the machine to ``results`` and writes ``<out>/<name>.json``."""
+    import haiku as hk
+    import jax
+
+    results["machine"] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "haiku": hk.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    text = json.dumps(_jsonable(results), indent=1, allow_nan=False)
+    atomic_write(os.path.join(out, f"{name}.json"), text.encode())
+    return results
+
+
+def save_figure(fig: Any, out: str, name: str) -> str:
+    """Saves a matplotlib figure as ``<out>/<name>.png``; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write(os.path.join(out, f"{name}.png"), buf.getvalue())
+    return f"{name}.png"
+
+
+def log_axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """Log-log axes (base 2 in x) with labels, a title and a light grid."""
+    ax.set(yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table; floats with three significant digits."""
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "—"
+        if isinstance(v, float) and math.isfinite(v) and v != 0:
+            return f"{v:.2e}" if abs(v) < 1e-3 or abs(v) >= 1e5 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(fmt, r)) + " |" for r in rows])

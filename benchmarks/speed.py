@@ -1,0 +1,98 @@
+"""Step time of revnet against the plain Haiku a user would otherwise write.
+
+For each model (the peers' conv stack, the RevNet, the MLP coupling stack and
+the transformer) and depth in coupling blocks (the RevNet's units spread over
+its three stages), one training gradient step (``jit(grad)``) is timed for
+``plain`` (a Python loop of the blocks), ``layer_stack`` and ``reversible`` on
+the same parameters (:mod:`benchmarks.models`). Every sample is a fresh process
+that compiles, warms up and reports the median of a few steps; the methods'
+processes are interleaved in rounds and each figure is the median over rounds.
+Ratios are to the *best plain* baseline, the faster of ``plain`` and
+``layer_stack``; temp memory and FLOPs come from the same compiled steps.
+
+    python -m benchmarks.speed [--quick | --tiny] [--out results]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks import measure, models
+
+NAME = "speed"
+METHODS = ("plain", "layer_stack", "reversible")
+MODELS = ("conv", "revnet", "mlp", "transformer")
+DEPTHS = {"full": [4, 16, 64], "quick": [4, 16], "tiny": [2]}
+ROUNDS = {"full": 5, "quick": 3, "tiny": 1}
+STEPS = {"full": 5, "quick": 3, "tiny": 1}
+TINY = {
+    "mlp": {"width": 32, "batch": 16},
+    "conv": {"image_size": 8, "batch": 2, "channels": 8},
+    "revnet": {"image_size": 8, "batch": 2},
+    "transformer": {"seq_len": 8, "batch": 2},
+}
+
+
+def spec(model: str, method: str, depth: int, size: str) -> dict[str, Any]:
+    """One measurement's configuration (see :mod:`benchmarks.models`)."""
+    sizes = models.default_sizes(model, quick=True)
+    if size == "tiny":
+        sizes.update(TINY[model])
+    units = max(1, depth // 3) if model == "revnet" else depth
+    return {"model": model, "method": method, "depth": units, **sizes}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Times every (model, depth); writes ``<out>/speed.json``."""
+    args = measure.parse(__doc__, argv)
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    rows = []
+    for model in MODELS:
+        for depth in DEPTHS[size]:
+            payloads = {
+                m: {**spec(model, m, depth, size), "time_steps": STEPS[size]}
+                for m in METHODS
+            }
+            got = measure.process_rounds("benchmarks.models", payloads, ROUNDS[size])
+            timed = [m for m in models.PLAIN_METHODS if "median_s" in got[m]]
+            if timed:
+                best = min(timed, key=lambda m: got[m]["median_s"])
+                for entry in got.values():
+                    if "median_s" in entry:
+                        for key in ("median_s", "temp_bytes"):
+                            ratio = entry[key] / max(got[best][key], 1e-30)
+                            entry[key.split("_")[0] + "_vs_best_plain"] = ratio
+            rows.append({"model": model, "depth": depth, "methods": got})
+            rows[-1]["best_plain"] = best if timed else None
+    return measure.write_json(args.out, NAME, {"size": size, "rows": rows})
+
+
+def markdown(results: dict, out: str) -> str:
+    """One table: step time and temp memory, and their ratios to best plain."""
+    table = []
+    for row in results["rows"]:
+        for method, s in row["methods"].items():
+            mark = " (best plain)" if method == row.get("best_plain") else ""
+            cells = [row["model"], row["depth"], method + mark]
+            if "error" in s:
+                table.append(cells + [f"error: {s['error']}", None, None, None])
+                continue
+            cells += [1e3 * s["median_s"], s.get("median_vs_best_plain")]
+            table.append(
+                cells + [s["temp_bytes"] / measure.MIB, s.get("temp_vs_best_plain")]
+            )
+    head = ["model", "depth", "method", "step ms", "× best plain", "temp MiB"]
+    return "\n\n".join(
+        [
+            "## Step time against plain Haiku",
+            "One training gradient step per measurement, median over interleaved "
+            "fresh processes; ratios to the best plain baseline (the faster of the "
+            "unrolled plain-Haiku loop and `hk.layer_stack`).",
+            measure.table(head + ["temp / best plain"], table),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The benchmarks: their --tiny runs, the report, the entries and the helpers.
+
+The ``slow`` tests run each benchmark as a user does (``python -m
+benchmarks.NAME --tiny``) and check the claims its plots and tables make on
+the numbers it wrote. The others are fast: the measurement helpers on a tiny
+function, the report from stored JSON, the ``experiments.NAME`` entries, and
+the plain baselines training the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import BENCHMARKS, measure, models, overhead, run
+from tests.helpers import RTOL, assert_trees_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRIES = ("memory", "speed", "numerics", "loops", "loop_compare", "overhead")
+ENTRIES += ("demo", "report")
+
+
+def python(*argv: str) -> subprocess.CompletedProcess:
+    """Runs ``python *argv`` in the repository, run-time checks off."""
+    env = {**os.environ, "REVNET_RUNTIME_CHECKS": "0"}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def tiny(name: str, out) -> dict:
+    """Runs the benchmark ``--tiny`` into ``out``; returns its JSON."""
+    proc = python("-m", f"benchmarks.{BENCHMARKS[name]}", "--tiny", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / f"{name}.json") as f:
+        results = json.load(f)
+    assert results["machine"]["jax"]
+    text = run.section(name, str(out))
+    assert text.startswith("## ") and "Could not render" not in text, text
+    return results
+
+
+# ----------------------------------------------------------------- fast tests
+
+
+def test_measure_helpers_on_a_tiny_function(tmp_path):
+    x = jnp.ones((64, 64), jnp.float32)
+    compiled, stats = measure.compile_stats(lambda a: (a @ a).sum(), x)
+    assert stats["flops"] >= 2 * 64**3  # one 64 x 64 matmul
+    assert stats["argument_bytes"] == 64 * 64 * 4
+    assert stats["total_bytes"] >= stats["temp_bytes"] >= 0
+    assert float(compiled(x)) == 64.0**3
+    times = measure.median_times({"a": lambda: x + 1, "b": lambda: x * 2}, 3, 1)
+    for t in times.values():
+        assert t["repeats"] == 3 and 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+    assert list(measure.rounds("ab", 2)) == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    assert measure.summarize([3.0, 1.0, 2.0])["median_s"] == 2.0
+    assert measure.rss_mib() > 10
+    measure.write_json(str(tmp_path), "x", {"nan": float("nan"), "v": np.float32(2)})
+    with open(tmp_path / "x.json") as f:
+        data = json.load(f)
+    assert data["nan"] is None and data["v"] == 2.0 and data["machine"]["jax"]
+    assert os.listdir(tmp_path) == ["x.json"]  # no temporary file left
+
+
+def test_report_from_stored_json_without_running(tmp_path):
+    rows = [
+        {"program": "sign", "depth": 4, "error_store": 1e-7}
+        | {"error_recompute": 0.5, "temp_store": 2048, "temp_recompute": 1024}
+    ]
+    with open(tmp_path / "decisions.json", "w") as f:
+        json.dump({"rows": rows}, f)
+    with open(tmp_path / "memory.json", "w") as f:
+        f.write("{}")  # renders as an error, the others still do
+    proc = python("-m", "benchmarks.run", "--report-only", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "## Decisions in F" in text and "| sign | 4 | 1.00e-07 |" in text
+    assert "Could not render `memory.json`" in text
+    assert "No `loops.json` in this folder." in text
+    assert sorted(os.listdir(tmp_path)) == [
+        "REPORT.md",
+        "decisions.json",
+        "memory.json",
+    ]
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_experiments_entries_run(name):
+    proc = python("-m", f"experiments.{name}", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--out" in proc.stdout and "--tiny" in proc.stdout
+
+
+def test_one_list_names_every_benchmark_module():
+    for module in BENCHMARKS.values():
+        if os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py")):
+            mod = __import__(f"benchmarks.{module}", fromlist=["NAME"])
+            assert BENCHMARKS[mod.NAME] == module
+            assert callable(mod.main) and callable(mod.markdown)
+
+
+@pytest.mark.parametrize("model", ["conv", "transformer"])
+def test_plain_baselines_train_the_same_parameters(model):
+    """plain, layer_stack and reversible runs of one model give the same loss
+    and gradients, leaf by leaf, once the trees are put in one layout."""
+    sizes = {
+        "conv": {"image_size": 8, "batch": 2, "channels": 8},
+        "transformer": {**models.default_sizes("transformer", True), "seq_len": 8},
+    }[model]
+    out, init = {}, None
+    for method in ("reversible", "plain", "layer_stack"):
+        built = models.build(
+            {"model": model, "method": method, "depth": 2, **sizes}, init=init
+        )
+        init = built.init
+        loss, grads, _ = jax.jit(built.grad_step)(*built.args)
+        out[method] = (loss, grads)
+    for method in ("plain", "layer_stack"):
+        loss, grads = out[method]
+        want = models.convert(out["reversible"][1], method)
+        np.testing.assert_allclose(loss, out["reversible"][0], rtol=1e-6)
+        assert_trees_close(grads, want, 1e-5, f"{model} {method} gradient")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_hand_written_backward_equals_autodiff(dtype):
+    """The overhead baseline itself, elementwise per leaf."""
+    with jax.enable_x64(dtype == "float64"):
+        sizes = overhead.Sizes(width=8, batch=4, depth=3)
+        params, x = overhead.make_inputs(sizes, sizes.depth, dtype)
+        want = jax.grad(overhead.loss_of("standard"), (0, 1))(params, x)
+        for method in overhead.METHODS:
+            got = jax.jit(overhead.grad_of(method))(params, x)
+            assert_trees_close(got, want, RTOL[jnp.dtype(dtype)], method)
+
+
+# ----------------------------------------------------------------- slow tests
+
+
+@pytest.mark.slow
+def test_memory_tiny(tmp_path):
+    mlp = tiny("memory", tmp_path)["models"]["mlp"]
+    by = {(r["method"], r["depth"]): r for r in mlp["rows"]}
+    depths = mlp["depths"]
+    top = depths[-1]
+    rev = [by["reversible", d]["temp_bytes"] for d in depths]
+    std = [by["standard", d]["temp_bytes"] for d in depths]
+    # The plot's claims: reversible flat, standard linear, checkpoint between.
+    assert max(rev) <= 1.10 * min(rev), rev
+    assert std[-1] >= 10 * rev[-1] and std[-1] / std[0] >= 0.5 * top / depths[0]
+    assert rev[-1] < by["checkpoint", top]["temp_bytes"] < std[-1]
+    assert by["checkpoint", top]["remat_calls_at_trace"] > 0
+    assert by["reversible", top]["flops_ratio"] <= 1.34  # RevNet's 4/3
+    for key in ("temp_bytes", "flops"):  # generic @invertible = the sequence
+        assert by["generic", top][key] <= 1.05 * by["reversible", top][key]
+    for row in mlp["rows"]:
+        assert row["best_plain"] in models.PLAIN_METHODS and row["median_s"] > 0
+    fits = mlp["budget"]
+    assert fits["reversible"]["largest_depth"] > fits["standard"]["largest_depth"]
+    assert os.path.getsize(tmp_path / "memory.png") > 10_000
+
+
+@pytest.mark.slow
+def test_speed_tiny(tmp_path):
+    for row in tiny("speed", tmp_path)["rows"]:
+        assert set(row["methods"]) == {"plain", "layer_stack", "reversible"}
+        assert row["methods"][row["best_plain"]]["median_vs_best_plain"] == 1.0
+        for stats in row["methods"].values():
+            assert stats["median_s"] > 0 and stats["temp_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_numerics_tiny(tmp_path):
+    res = tiny("numerics", tmp_path)
+    rows = res["rows"]
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "float64"}
+    f64 = [r for r in rows if r["dtype"] == "float64" and r["coupling"] == "additive"]
+    assert max(r["reconstruction_rel_error"] for r in f64) < 1e-10
+    f32 = [r for r in rows if r["dtype"] == "float32" and r["coupling"] == "additive"]
+    assert max(r["grad_rel_error_reversible"] for r in f32) < 1e-4
+    assert res["limits"]["additive"]["float64"]["all_measured_depths_ok"]
+    for row in rows:
+        for k, a in row["anchored"].items():
+            # One reading per anchor, equal to the independently measured error.
+            assert len(a["drift_readings"]) == -(-row["depth"] // int(k))
+            np.testing.assert_allclose(
+                a["drift_readings"], a["true_drift"], rtol=0.1, atol=1e-12
+            )
+    deep = [r for r in f32 if r["depth"] == 16][0]
+    assert deep["temp_vs_standard"] < deep["anchored"]["4"]["temp_vs_standard"] < 1
+
+
+@pytest.mark.slow
+def test_loops_tiny(tmp_path):
+    res = tiny("loops", tmp_path)
+    temp = {(r["method"], r["steps"]): r["temp_bytes"] for r in res["sweep"]}
+    lo, hi = 8, 64
+    assert temp["revnet.while_loop", hi] <= 1.10 * temp["revnet.while_loop", lo]
+    assert temp["lax.scan", hi] > 4 * temp["lax.scan", lo]
+    evals = {
+        (r["body"], r["method"], r["sweep"], r["max_steps"]): r["body_evaluations"]
+        for r in res["comparison"]
+    }
+    # Inverting costs the steps taken, whatever max_steps; the scan runs them all.
+    fixed = res["fixed_steps"]
+    assert evals["invertible", "revnet", "max_steps", 256] == 2 * fixed
+    assert evals["invertible", "checkpointed lax.scan", "max_steps", 256] == 2 * 256
+
+
+@pytest.mark.slow
+def test_overhead_tiny(tmp_path):
+    res = tiny("overhead", tmp_path)
+    assert res["gradient_check"]["passed"] is True
+    # Fused backward: the same compiled cost as the hand-written custom_vjp.
+    assert res["compiled"]["ratio"]["flops"] <= 1.03, res["compiled"]
+    assert res["compiled"]["ratio"]["temp_bytes"] <= 1.05, res["compiled"]
+    for method in overhead.METHODS:
+        assert 1.1 <= res["compiled"]["flops_over_standard"][method] <= 1.45
+        assert res["timings"][method]["first_call_s"]["median_s"] > 0
+    assert res["eager_cache"]["jaxpr_prints_per_warm_eager_call"] == 0
+    if res["eager_cache"]["analysis_count_available"]:
+        assert res["eager_cache"]["analyses_per_warm_eager_call"] == 0
+    for ratios in res["depth_scaling"]["deep_over_shallow"].values():
+        assert ratios["temp_bytes"] <= 1.05
+
+
+@pytest.mark.slow
+def test_decisions_tiny(tmp_path):
+    for row in tiny("decisions", tmp_path)["rows"]:
+        assert row["error_store"] <= 1e-5, row
+        assert row["temp_store"] >= row["temp_recompute"], row
+
+
+@pytest.mark.slow
+def test_sharding_tiny(tmp_path):
+    rows = tiny("sharding", tmp_path)["rows"]
+    temp = {(r["method"], r["mode"], r["depth"]): r["temp_bytes"] for r in rows}
+    assert temp["reversible", "auto", 4] == temp["reversible", "auto", 8], temp
