@@ -15,18 +15,22 @@ JaxprEqn = jex_core.JaxprEqn
 
 
 def is_literal(v: Any) -> bool:
+    """Whether the atom ``v`` is a literal (a constant written in the equation)."""
     return isinstance(v, Literal)
 
 
 def literal_value(v: Any) -> Any:
+    """The value of the literal ``v``."""
     return v.val
 
 
 def is_dropvar(v: Any) -> bool:
+    """Whether ``v`` is a dropped output (``_``), which no equation reads."""
     return type(v).__name__ == "DropVar"
 
 
 def aval(v: Any) -> Any:
+    """The abstract value (shape, dtype, sharding) of the atom ``v``."""
     return v.aval
 
 
@@ -95,6 +99,7 @@ def literal_key(lit: Any) -> Any:
 
 
 def primitive_name(eqn: JaxprEqn) -> str:
+    """The name of ``eqn``'s primitive."""
     return eqn.primitive.name
 
 

@@ -35,6 +35,7 @@ def nested_jaxpr(p: Any) -> tuple[Jaxpr, tuple] | None:
 
 
 def closed_consts(j: Any) -> tuple:
+    """The constants of the (closed) jaxpr ``j``: values, then constvars."""
     if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
         return tuple(j.consts) + tuple(j.jaxpr.constvars)
     return tuple(getattr(j, "constvars", ()))

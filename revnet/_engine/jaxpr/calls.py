@@ -97,6 +97,7 @@ def custom_rule_kind(eqn: JaxprEqn) -> str | None:
 
 
 def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
+    """How many of a ``custom_vjp_call``'s inputs are hoisted constants."""
     return int(eqn.params.get("num_consts", 0))
 
 
