@@ -4,7 +4,7 @@ Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
 only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
 into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
-(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.shard_map`) add
+(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.slices`, :mod:`.shard_map`) add
 themselves to the registry and to the interpreter's handler table when this
 package is imported; :mod:`.sharding` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
@@ -12,17 +12,22 @@ front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
 front-end.
 """
 
+# The modules marked "registers" add structural rules, plan-step handlers or
+# evaluators to the engine's tables when imported: they are imported here on
+# purpose, each by name (tests/test_engine_structure.py fails if one is missing).
 from revnet._engine import (
-    calls,  # noqa: F401  (registers its rules)
+    calls,  # noqa: F401  (registers: nested calls and custom rules)
     checks,
     cotangents,
-    layout,  # noqa: F401  (registers the convolution evaluator)
+    layout,  # noqa: F401  (registers: the convolution evaluator)
     perturbed,
     registry,
-    scan,  # noqa: F401  (registers its rule)
-    select,  # noqa: F401  (registers its rules)
-    shard_map,  # noqa: F401  (registers its rule)
+    scan,  # noqa: F401  (registers: lax.scan)
+    select,  # noqa: F401  (registers: select_n with a known predicate)
+    shard_map,  # noqa: F401  (registers: shard_map)
     sharding,
+    slices,  # noqa: F401  (registers: slices that cover a value together)
+    tracing,  # noqa: F401  (registers: the preparation of nested jaxpr bodies)
 )
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
 from revnet._engine.cache import LRU

@@ -266,7 +266,7 @@ class Analysis:
                 return []
             self._fold(i, eqn)
             return self._add(Forward(i), self.wiring.eqn_outs[i])
-        rule = registry.lookup(jx.primitive_name(eqn))
+        rule = registry.get(jx.primitive_name(eqn))
         if rule is None:
             if any(outs):
                 self.fail(i, eqn, f"`{jx.primitive_name(eqn)}` has no inverse rule")

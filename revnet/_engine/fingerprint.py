@@ -1,4 +1,4 @@
-"""Cache keys for traced programs: by structure, or by structure and identity.
+"""Cache keys for traced programs: by structure, or by structure and values.
 
 Two keys are computed from a jaxpr, for two kinds of cache:
 
@@ -9,9 +9,6 @@ Two keys are computed from a jaxpr, for two kinds of cache:
   so plans are cached by this key: a program retraced with new rule objects
   (every trace of ``jax.nn.relu`` makes new ones) or new nested weights reuses
   its plan, and the interpreter takes those objects from the current jaxpr.
-* :func:`identity` also compares those objects by identity. A compiled
-  function that closes over a jaxpr (and so over its rules and nested
-  constants) may be reused only for a jaxpr with an equal identity key.
 * :func:`primal` compares nested constants and other objects (a callback's
   function) by identity, and ``custom_ivjp`` functions too (their inverse is
   what an enclosing inversion runs), but not other derivative rules: a
@@ -43,26 +40,19 @@ class _Opaque:
 
 def structure(jaxpr: jx.Jaxpr) -> Any:
     """A hashable key equal for two jaxprs that have one plan (see module doc)."""
-    return _key(jaxpr, False, False)
+    return _key(jaxpr, False)
 
 
 def primal(jaxpr: jx.Jaxpr) -> Any:
     """A key equal for two jaxprs that compute the same values.
 
-    As :func:`identity` for nested constants; derivative rules (a
-    ``custom_jvp``'s rule, a ``custom_vjp``'s forward and backward) are not
-    compared: they do not change a value, only a derivative.
+    Nested constants and other objects are compared by identity (the key
+    holds references to them, so that an identity cannot be reused while the
+    key is alive); derivative rules (a ``custom_jvp``'s rule, a
+    ``custom_vjp``'s forward and backward) are not compared: they do not
+    change a value, only a derivative.
     """
-    return _key(jaxpr, True, False)
-
-
-def identity(jaxpr: jx.Jaxpr) -> Any:
-    """A key equal for two jaxprs only if they compute the same thing.
-
-    The key holds references to the objects it compares by identity, so that
-    an identity cannot be reused while the key is alive.
-    """
-    return _key(jaxpr, True, True)
+    return _key(jaxpr, True)
 
 
 def _tag_token(tag: Any, eqn: jx.JaxprEqn) -> Any:
@@ -74,7 +64,7 @@ def _tag_token(tag: Any, eqn: jx.JaxprEqn) -> Any:
     return ("custom_ivjp", tag.num_consts, trees)
 
 
-def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
+def _key(jaxpr: jx.Jaxpr, consts_by_id: bool) -> Any:
     names: dict = {}
 
     def var(a):
@@ -93,14 +83,14 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
 
     def value(p, rules=False):
         if isinstance(p, jx.Body):  # a hijax call's body (jx.key_params)
-            inner = _key(p.jaxpr, consts_by_id, objects_by_id)
+            inner = _key(p.jaxpr, consts_by_id)
             return ("body", inner, tuple(map(const, p.consts)))
         nested = jx.nested_jaxpr(p)
         if nested is not None:
             inner, consts = nested
             return (
                 "jaxpr",
-                _key(inner, consts_by_id, objects_by_id),
+                _key(inner, consts_by_id),
                 tuple(map(const, consts)),
             )
         if isinstance(p, (tuple, list)):
@@ -111,7 +101,7 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
             return p
         # A callback's function changes what is computed; a custom derivative
         # rule changes only derivatives.
-        by_id = objects_by_id or (consts_by_id and not rules)
+        by_id = consts_by_id and not rules
         try:
             hash(p)
         except TypeError:
@@ -127,14 +117,13 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool, objects_by_id: bool) -> Any:
         params = tuple(
             (k, value(q, rules)) for k, q in sorted(jx.key_params(e).items())
         )
-        if not objects_by_id:
-            tag = jx.tag_of(e)
-            if tag is not None:
-                params += (("revnet_tag", _tag_token(tag, e)),)
-                if consts_by_id and getattr(tag, "loop_kind", None) is None:
-                    # A custom_ivjp's inverse is what an enclosing inversion
-                    # runs: a function reused for this jaxpr must carry it.
-                    params += (("revnet_inverse", _Opaque(tag)),)
+        tag = jx.tag_of(e)
+        if tag is not None:
+            params += (("revnet_tag", _tag_token(tag, e)),)
+            if consts_by_id and getattr(tag, "loop_kind", None) is None:
+                # A custom_ivjp's inverse is what an enclosing inversion
+                # runs: a function reused for this jaxpr must carry it.
+                params += (("revnet_inverse", _Opaque(tag)),)
         return (
             jx.primitive_name(e),
             tuple(var(a) for a in e.invars),

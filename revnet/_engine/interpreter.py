@@ -320,7 +320,7 @@ class _SolveHandler(Handler):
         outs = [None if v is None else it.read(v) for v in it.wiring.eqn_outs[i]]
         avals = [jx.aval(v) for v in eqn.invars]
         with jx.context(eqn):
-            solved = registry.lookup(step.rule)(outs, known, eqn.params, avals)
+            solved = registry.get(step.rule)(outs, known, eqn.params, avals)
         new = [solved[n] for n in step.unknown]
         checks.record(
             new, [*outs, *[k for k in known if k is not None]], degenerate(eqn)

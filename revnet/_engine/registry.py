@@ -218,11 +218,6 @@ def register_inverse(
     register(primitive, rule, check, elementwise=elementwise)
 
 
-def lookup(primitive_name: str) -> Any:
-    """The rule for a primitive name, or None."""
-    return _RULES.get(primitive_name)
-
-
 def get(name: str) -> Any:
     """The registered rule of ``name`` (``.elementwise``, ``.structural``), or None."""
     return _RULES.get(name)

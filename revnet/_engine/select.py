@@ -1,30 +1,25 @@
-"""Structural rules for ``select_n`` with a known predicate and covering slices.
+"""The structural rule for ``select_n`` with a known predicate.
 
-* ``select_n(pred, *cases)`` (``jnp.where``) with a known predicate: each case
-  is inverted separately from the selected output, by a chain of
-  *position-wise* solves back to values common to all cases: elementwise
-  rules (the property recorded on each rule in the registry), structural
-  equations whose rule's ``positionwise`` hook says so (calls and scans whose
-  bodies are such chains), and nested selects with a known predicate, which
-  fork the chain. Where the predicates pick a chain, its reconstruction is
-  exact; the results are merged with the predicates.
-* ``slice`` equations whose known outputs together cover an unknown value
-  (``x[..., :h]``, ``x[..., h:]``) rebuild it, by concatenation when they cut
-  along one axis in order, else by placing each piece.
+``select_n(pred, *cases)`` (``jnp.where``) with a known predicate: each case is
+inverted separately from the selected output, by a chain of *position-wise*
+solves back to values common to all cases: elementwise rules (the property
+recorded on each rule in the registry), structural equations whose rule's
+``positionwise`` hook says so (calls and scans whose bodies are such chains),
+and nested selects with a known predicate, which fork the chain. Where the
+predicates pick a chain, its reconstruction is exact; the results are merged
+with the predicates.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from revnet._engine import checks, registry, sharding
+from revnet._engine import checks, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.analysis import Analysis, abstract_solve
 from revnet._engine.errors import NotInvertibleError, degenerate
 from revnet._engine.interpreter import Handler, register_handler
-from revnet._engine.plan import Select, Tile
+from revnet._engine.plan import Select
 
 
 class SelectRule(registry.StructuralRule):
@@ -112,7 +107,7 @@ def _forks(an, j, local, shape):
 def _position_step(an, j, e, local, shape):
     """The one unknown input of equation ``j`` if it solves position-wise."""
     w = an.wiring
-    rule = registry.lookup(jx.primitive_name(e))
+    rule = registry.get(jx.primitive_name(e))
     unk = [n for n, u in enumerate(w.eqn_ins[j]) if not an.is_known(u)]
     if rule is None or len(unk) != 1:
         return None
@@ -182,7 +177,7 @@ class _SelectHandler(Handler):
                     None if n == u else it.read_in(j, n) for n in range(len(e.invars))
                 ]
                 outs = [local[o] for o in w.eqn_outs[j]]
-                rule = registry.lookup(name)
+                rule = registry.get(name)
                 if rule.structural:
                     # Its own records would hold where this leaf is not picked.
                     with checks.scope():
@@ -204,91 +199,5 @@ class _SelectHandler(Handler):
         return None
 
 
-class TileRule(registry.StructuralRule):
-    name = "slice"
-
-    def analyze(self, an, i, eqn, ins, outs):
-        if not all(outs):
-            return None
-        operand = an.wiring.eqn_ins[i][0]
-        if an.is_known(operand):
-            return None
-        cover = np.zeros(an.avals[operand].shape, dtype=bool)
-        used = []
-        for j in an.consumers.get(operand, ()):
-            e = an.jaxpr.eqns[j]
-            if jx.primitive_name(e) != "slice" or an.wiring.eqn_ins[j][0] != operand:
-                continue
-            if not all(an.is_known(v) for v in an.wiring.eqn_outs[j]):
-                continue
-            strides = e.params.get("strides")
-            if strides is not None and any(s != 1 for s in strides):
-                continue
-            start, limit = e.params["start_indices"], e.params["limit_indices"]
-            cover[tuple(slice(a, b) for a, b in zip(start, limit))] = True
-            used.append(j)
-        if not used or not cover.all():
-            an.fail(
-                i,
-                eqn,
-                "`slice` has no inverse rule; slices rebuild a value only when "
-                "together they cover it",
-            )
-            return None
-        return Tile(operand, tuple(used)), [operand], tuple(used)
-
-
-class _TileHandler(Handler):
-    def needs(self, it, step):
-        return [v for j in step.eqns for v in it.wiring.eqn_outs[j]]
-
-    def run(self, it, step, out_cts):
-        eqns = [it.jaxpr.eqns[j] for j in step.eqns]
-        aval = jx.aval(eqns[0].invars[0])
-        pieces = [it.read(it.wiring.eqn_outs[j][0]) for j in step.eqns]
-        axis, order = partition_axis(eqns, tuple(aval.shape))
-        if axis is not None:  # the common split ``x[..., :h]``, ``x[..., h:]``
-            ordered = [pieces[n] for n in order]
-            value = ordered[0] if len(ordered) == 1 else lax.concatenate(ordered, axis)
-        else:
-            value = sharding.zeros(aval)
-            for eqn, piece in zip(eqns, pieces):
-                start = eqn.params["start_indices"]
-                value = lax.dynamic_update_slice(value, piece.astype(aval.dtype), start)
-        it.set([step.var], [sharding.cast_like(value, aval)])
-        return None
-
-
-def partition_axis(eqns, shape):
-    """``(axis, order)`` when the slices split ``shape`` along one axis, in order.
-
-    Returns ``(None, None)`` when they overlap or cut along several axes.
-    """
-    bounds, axes = [], set()
-    for n, eqn in enumerate(eqns):
-        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
-        cut = [d for d in range(len(shape)) if (start[d], limit[d]) != (0, shape[d])]
-        if len(cut) > 1:
-            return None, None
-        axes.update(cut)
-        bounds.append((start, limit, n))
-    if len(axes) > 1:
-        return None, None
-    if not axes:
-        return 0, [bounds[0][2]]  # one slice is the whole value
-    (axis,) = axes
-    bounds.sort(key=lambda b: b[0][axis])
-    end = 0
-    for start, limit, _ in bounds:
-        if start[axis] != end:
-            return None, None
-        end = limit[axis]
-    if end != shape[axis]:
-        return None, None
-    return axis, [n for _, _, n in bounds]
-
-
 registry.register_structural(["select_n"], SelectRule())
-registry.register_structural(["slice"], TileRule())
 register_handler(Select, _SelectHandler())
-register_handler(Tile, _TileHandler())

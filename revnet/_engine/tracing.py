@@ -5,7 +5,8 @@ closed-over values followed by its arguments, then prepares it: nested
 ``jit``\ s without constants are inlined (an inverse may need equations on
 both sides of the boundary), dropped ``scan`` outputs get a variable, and
 duplicate equations are merged. None of these passes changes what is
-computed. The jaxpr objects themselves are reached through :mod:`.jaxpr`.
+computed. The jaxpr objects themselves are reached through :mod:`.jaxpr`,
+which prepares nested bodies with :func:`prepare` once this module is imported.
 """
 
 from __future__ import annotations
@@ -165,3 +166,8 @@ def _eqn_key(e: Any) -> Any:
     except TypeError:
         return None
     return key
+
+
+# Nested bodies (:func:`.jaxpr.as_body`) are prepared by the same passes; the
+# jaxpr package is a leaf, so it is handed them here rather than importing them.
+jx.set_prepare(prepare)

@@ -25,8 +25,8 @@ Two pieces, one for each kind of array a training step holds:
   parallel MLP), so the compiler partitions the layer's inside as under Auto
   axes, while the stream between layers keeps its Explicit type.
 
-Sharding is not part of the invertibility analysis: ``sharding_constraint``,
-``reshard`` and ``mesh_cast`` are identities to the core, and every value the
+Sharding is not part of the invertibility analysis: ``sharding_constraint`` and
+``reshard`` are identities to the core, and every value the
 backward pass rebuilds, and every cotangent, carries its forward value's
 sharding.
 

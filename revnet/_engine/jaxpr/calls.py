@@ -1,0 +1,132 @@
+"""Nested-call equations: their bodies, names and user derivative rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from revnet._engine.jaxpr.atoms import JaxprEqn
+from revnet._engine.jaxpr.bodies import Body, as_body
+from revnet._engine.jaxpr.hijax import HI_CALL, HI_CUSTOM_VJP, hi_body, hi_kind
+
+# Names of nested-call primitives, across JAX versions, with the param that
+# holds their body. ``jit`` was ``pjit`` before jax 0.7; ``custom_vjp_call`` was
+# ``custom_vjp_call_jaxpr`` (body in ``fun_jaxpr``) before jax 0.6.1; ``remat``
+# prints as ``remat2`` and was ``checkpoint`` in some versions.
+_CALL_BODY_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "remat": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+_CUSTOM_VJP_NAMES = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+JIT_NAMES = ("jit", "pjit")  # the name before jax 0.7
+
+
+def call_body(eqn: JaxprEqn) -> Body | None:
+    """The body of a nested-call equation (jit, custom_jvp/vjp, remat), or None.
+
+    The body's input variables are its constants' variables followed by the
+    equation's inputs, in order.
+    """
+    name = eqn.primitive.name
+    if name == HI_CALL:
+        return hi_body(eqn.params["_prim"])
+    param = _CALL_BODY_PARAM.get(name)
+    if param is None or param not in eqn.params:
+        return None
+    return as_body(eqn.params[param])
+
+
+def call_name(eqn: JaxprEqn) -> str:
+    """The name of the function a nested call wraps (``relu``), or ``""``."""
+    if eqn.primitive.name == HI_CALL:
+        prim = eqn.params["_prim"]
+        fun = getattr(getattr(prim, "traced", None), "fun_name", None)
+        return fun if isinstance(fun, str) else hi_kind(eqn)
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    body = call_body(eqn)
+    info = getattr(body.jaxpr, "debug_info", None) if body is not None else None
+    src = getattr(info, "func_src_info", None)
+    return src.split(" ")[0] if isinstance(src, str) and src else ""
+
+
+def custom_vjp_bwd(eqn: JaxprEqn) -> Any:
+    """The user's backward function of a ``custom_vjp_call`` equation, or None."""
+    if custom_rule_kind(eqn) == "vjp" and eqn.primitive.name == HI_CALL:
+        return getattr(eqn.params["_prim"], "bwd", None)
+    if eqn.primitive.name not in _CUSTOM_VJP_NAMES:
+        return None
+    bwd = eqn.params.get("bwd")
+    return getattr(bwd, "f", bwd)
+
+
+_TAG = "revnet_tag"
+
+
+def tag(bwd: Callable[..., Any], obj: Any) -> None:
+    """Attaches ``obj`` to a ``custom_vjp`` backward function, for :func:`tag_of`.
+
+    revnet's own custom VJPs (``custom_ivjp`` functions, the loops) tag their
+    backward function so that the analysis recognises their equations.
+    """
+    setattr(bwd, _TAG, obj)
+
+
+def tag_of(eqn: JaxprEqn) -> Any:
+    """The object tagged on a ``custom_vjp_call`` equation's backward, or None."""
+    return getattr(custom_vjp_bwd(eqn), _TAG, None)
+
+
+def custom_rule_kind(eqn: JaxprEqn) -> str | None:
+    """``"vjp"``/``"jvp"`` for calls with a user derivative rule, else None."""
+    name = eqn.primitive.name
+    if name in _CUSTOM_VJP_NAMES or hi_kind(eqn) in HI_CUSTOM_VJP:
+        return "vjp"
+    if name == "custom_jvp_call":
+        return "jvp"
+    return None
+
+
+def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
+    """How many of a ``custom_vjp_call``'s inputs are hoisted constants."""
+    return int(eqn.params.get("num_consts", 0))
+
+
+def custom_ivjp_key(eqn: JaxprEqn) -> tuple:
+    """The shapes and dtypes of a ``custom_vjp_call``'s own (not hoisted) inputs.
+
+    ``custom_ivjp`` functions record their pytrees under this key when called.
+    """
+    nh = custom_vjp_num_consts(eqn)
+    return tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars[nh:])
+
+
+def call_primitive_names() -> tuple[str, ...]:
+    """Names of the nested-call primitives, across JAX versions."""
+    return (*_CALL_BODY_PARAM, HI_CALL)
+
+
+def key_params(eqn: JaxprEqn) -> dict[str, Any]:
+    """``eqn``'s params as the plan cache compares them.
+
+    A hijax call's one param is an object compared by identity; it is shown
+    here by its class, its body and its derivative rules (``fwd``/``bwd``).
+    """
+    if eqn.primitive.name != HI_CALL:
+        return eqn.params
+    prim = eqn.params["_prim"]
+    body = call_body(eqn)
+    return {
+        "_hi": hi_kind(eqn),
+        "body": body,
+        "rules": (getattr(prim, "fwd", None), getattr(prim, "bwd", None)),
+    }

@@ -1,0 +1,97 @@
+"""Building equations: the decision pass (:mod:`revnet._engine.decisions`)
+rewrites jaxprs with these, so that it never touches JAX's jaxpr classes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from revnet._engine.jaxpr.atoms import (
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    is_dropvar,
+    is_literal,
+    struct,
+)
+from revnet._engine.jaxpr.bodies import Body
+from revnet._engine.jaxpr.source import where
+
+
+def with_outputs(jaxpr: Jaxpr, outvars: Sequence[Any], eqns=None) -> Jaxpr:
+    """``jaxpr`` with the outputs ``outvars`` (and the equations ``eqns``)."""
+    eqns = list(jaxpr.eqns) if eqns is None else list(eqns)
+    return jaxpr.replace(eqns=eqns, outvars=list(outvars))
+
+
+def splice(
+    fun: Callable[..., Sequence[Any]], atoms: Sequence[Any], source_info: Any
+) -> tuple[list[JaxprEqn], list[Any]]:
+    """The equations computing ``fun(*atoms)``, on the variables ``atoms``.
+
+    ``fun`` is traced on the atoms' abstract values; its equations are
+    renamed onto fresh variables and attributed to ``source_info``.
+
+    Returns:
+      ``(equations, output atoms)``.
+    """
+
+    closed = jax.make_jaxpr(lambda *xs: list(fun(*xs)))(
+        *[struct(v.aval) for v in atoms]
+    )
+    inner = closed.jaxpr
+    env: dict = dict(zip(inner.invars, atoms))
+    for cv, c in zip(inner.constvars, closed.consts):
+        env[cv] = Literal(c, cv.aval)
+    return _renamed(inner, env, lambda e: source_info)
+
+
+def _renamed(jaxpr: Jaxpr, env: dict, info: Callable[[JaxprEqn], Any]):
+    """``jaxpr``'s equations and outputs on the atoms ``env`` maps its inputs to.
+
+    Other variables are renamed fresh; ``info(e)`` is each equation's new
+    source info. Returns ``(equations, output atoms)``.
+    """
+
+    def rename(a):
+        if is_literal(a) or is_dropvar(a):
+            return a
+        if a not in env:
+            env[a] = Var(a.aval)
+        return env[a]
+
+    eqns = [
+        e.replace(
+            invars=[rename(a) for a in e.invars],
+            outvars=[rename(a) for a in e.outvars],
+            source_info=info(e),
+        )
+        for e in jaxpr.eqns
+    ]
+    return eqns, [rename(a) for a in jaxpr.outvars]
+
+
+def remat_with_body(eqn: JaxprEqn, body: Jaxpr, outvars) -> JaxprEqn:
+    """The ``remat`` equation ``eqn`` with a new (constant-free) body and outputs."""
+    return eqn.replace(params={**eqn.params, "jaxpr": body}, outvars=list(outvars))
+
+
+def inline_body(
+    body: Body, atoms: Sequence[Any], source_info: Any
+) -> tuple[list[JaxprEqn], list[Any]]:
+    """A call's body as equations on the call's inputs ``atoms``.
+
+    The body's constants become literals; its variables are renamed fresh.
+
+    Returns:
+      ``(equations, output atoms)``.
+    """
+    consts = [Literal(c, v.aval) for v, c in zip(body.jaxpr.invars, body.consts)]
+    env: dict = dict(zip(body.jaxpr.invars, [*consts, *atoms]))
+    return _renamed(
+        body.jaxpr, env, lambda e: e.source_info if where(e) else source_info
+    )

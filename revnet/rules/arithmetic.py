@@ -1,0 +1,78 @@
+"""Arithmetic: ``add``, ``sub``, ``neg``, ``mul``, ``div`` (with trace-time
+checks refusing a constant zero factor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from revnet._engine import NotInvertibleError
+from revnet.rules._solve import (
+    InverseRuleFn,
+    check_not_broadcast,
+    one_unknown,
+    with_value,
+)
+
+
+def _binary(solve: Callable[[Any, Any, int], Any], what: str = "") -> InverseRuleFn:
+    """A rule for ``y = a op b`` solving the one unknown operand.
+
+    ``solve(y, known, i)`` returns operand ``i`` from the output and the other
+    operand. With ``what``, integer operands are refused (``what`` names the
+    operation in the message).
+    """
+
+    def rule(outs, ins, *, in_avals, **params):
+        (y,) = outs
+        i = one_unknown(ins)
+        a = in_avals[i]
+        check_not_broadcast(a.shape, y)
+        if what and not jnp.issubdtype(a.dtype, jnp.inexact):
+            raise NotInvertibleError(f"integer {what} is not invertible")
+        return with_value(ins, i, solve(y, ins[1 - i], i))
+
+    return rule
+
+
+_add = _binary(lambda y, k, i: y - k)
+_sub = _binary(lambda y, k, i: k - y if i == 1 else y + k)
+_mul = _binary(lambda y, k, i: y / k, "multiplication")
+_div = _binary(lambda y, k, i: y * k if i == 0 else k / y, "division")
+
+
+def _neg(outs, ins, **params):
+    return [-outs[0]]
+
+
+def _has_zero(x: Any) -> bool:
+    return x is not None and bool(np.any(np.asarray(x) == 0))
+
+
+def _check_mul(statics, **params):
+    for k in statics:
+        if _has_zero(k):
+            raise NotInvertibleError(
+                "multiplication by a constant zero loses the other operand"
+            )
+
+
+def _check_div(statics, **params):
+    num, den = statics
+    if _has_zero(den):
+        raise NotInvertibleError("division by a constant zero loses the numerator")
+    if _has_zero(num):
+        raise NotInvertibleError("a constant zero divided by a value loses the value")
+
+
+ARITHMETIC = {
+    "add": (_add, None),
+    "add_any": (_add, None),
+    "sub": (_sub, None),
+    "neg": (_neg, None),
+    "mul": (_mul, _check_mul),
+    "div": (_div, _check_div),
+}

@@ -1,0 +1,155 @@
+"""The package's structure: explicit registrations, no import cycles, a leaf
+jaxpr package, small files.
+
+These tests read the source (``ast``) and the engine's tables; they compile
+nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import revnet  # noqa: F401  (fills the engine's tables)
+from revnet._engine import interpreter, registry
+from revnet._engine.jaxpr import bodies
+
+ROOT = pathlib.Path(revnet.__file__).parent
+ENGINE = "revnet._engine"
+JAXPR = "revnet._engine.jaxpr"
+MAX_LINES = 450
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, pathlib.Path]:
+    """Every module of ``revnet`` by its dotted name."""
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+MODULES = _sources()
+
+
+def _imports(name: str, *, top_level_only: bool = False) -> set[str]:
+    """The ``revnet`` modules that module ``name`` imports, by name.
+
+    ``from package import name`` counts as an import of the submodule
+    ``package.name`` when there is one, else of ``package``. Imports inside
+    functions count too, unless ``top_level_only``.
+    """
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+    return {m for m in found if m in MODULES}
+
+
+def _defining_modules() -> set[str]:
+    """The engine modules whose import registers something in a table."""
+    owners = {
+        type(rule).__module__
+        for rule in map(registry.get, registry.names())
+        if rule.structural
+    }
+    owners |= {type(h).__module__ for h in interpreter._HANDLERS.values()}
+    owners |= {fn.__module__ for fn in registry._EVALUATORS.values()}
+    owners |= {fn.__module__ for fn in bodies._PREPARE}
+    return {m for m in owners if m.startswith(ENGINE + ".")}
+
+
+def test_registering_modules_are_imported_explicitly():
+    owners = _defining_modules()
+    assert {"revnet._engine.calls", "revnet._engine.slices"} <= owners, owners
+    explicit = _imports(ENGINE, top_level_only=True)
+    missing = sorted(owners - explicit)
+    assert not missing, (
+        f"modules registering rules or handlers that revnet/_engine/__init__.py "
+        f"does not import by name: {missing}"
+    )
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph``, as a path of names, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    graph = {name: _imports(name) - {name} for name in MODULES}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_jaxpr_package_is_a_leaf():
+    inside = [m for m in MODULES if m == JAXPR or m.startswith(JAXPR + ".")]
+    assert len(inside) > 1, inside
+    for name in inside:
+        engine = {m for m in _imports(name) if m.startswith(ENGINE)}
+        others = sorted(m for m in engine if not m.startswith(JAXPR))
+        assert not others, f"{name} imports engine modules {others}"
+
+
+def test_only_the_jaxpr_package_imports_jax_extend():
+    for name, path in MODULES.items():
+        if name == JAXPR or name.startswith(JAXPR + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            else:
+                continue
+            assert not any(m.startswith(("jax.extend", "jax._src")) for m in mods), (
+                f"{name} imports {mods}"
+            )
+
+
+def test_no_file_over_the_line_limit():
+    long = {
+        str(p.relative_to(ROOT.parent)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines: {long}"
