@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
 
-.PHONY: test test-next demo fuzz lint clean
+.PHONY: test test-all test-next demo fuzz lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,15 @@ $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test,experiments]'
 	touch $@
 
-# The whole suite. The experiments extra is installed too so that the
-# benchmarks' --tiny paths are tested.
+# The fast tier: every test not marked `slow` (pyproject.toml's markers: the
+# subprocess, 8-device, multi-process, depth-128, fuzz, example and benchmark
+# runs). The experiments extra is installed too: the examples' state files and
+# the benchmarks' helpers are tested here.
 test: $(STAMP_TEST) $(STAMP_EXP)
+	$(PY) -m pytest -n 2 -q -m "not slow" tests
+
+# Everything: the fast tier and the slow one.
+test-all: $(STAMP_TEST) $(STAMP_EXP)
 	$(PY) -m pytest -n 2 -q tests
 
 # The core, loops and blocks suites once under each of JAX's opt-in "next
@@ -29,7 +35,7 @@ test: $(STAMP_TEST) $(STAMP_EXP)
 # under the flag is reported as skipped with JAX's message (tests/next_flags.py).
 # With all of tests/blocks a flag's run took 19 minutes here (2 cores), so the
 # Haiku stack's own files stand for it (NEXT_TESTS=... tests/blocks for all).
-# tests/test_next_primitives.py sets each flag itself and runs in `make test`.
+# tests/test_next_primitives.py sets each flag itself and runs in `make test-all`.
 NEXT_FLAGS ?= JAX_CUSTOM_VJP3 JAX_REMAT3 JAX_SCAN3
 NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py tests/test_ivjp_rules.py \
 	tests/test_loops.py tests/test_loop_modes.py tests/blocks/test_sequence.py \
