@@ -49,8 +49,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from revnet._engine import show
-
 __all__ = ["DriftError", "DriftMonitor", "DriftReading", "DriftWarning"]
 
 
@@ -173,12 +171,3 @@ class DriftMonitor:
         if self.on_exceed == "raise":
             raise DriftError(message)
         warnings.warn(message, DriftWarning, stacklevel=2)
-
-
-def check_monitor(fname: str, drift: Any) -> DriftMonitor | None:
-    """``drift`` if it is a :class:`DriftMonitor` or None; else a TypeError."""
-    if drift is None or isinstance(drift, DriftMonitor):
-        return drift
-    raise TypeError(
-        f"{fname}: drift must be a revnet.DriftMonitor or None, got {show(drift)}"
-    )

@@ -61,12 +61,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from revnet import _loop_args as args
+from revnet import _checks
+from revnet import _loop_carry as carry
 from revnet._engine import (
     Body,
     ScanParams,
     Stuck,
-    check_options,
     choose,
     expose,
     leaf_paths,
@@ -75,7 +75,7 @@ from revnet._engine import (
     trace,
     while_function,
 )
-from revnet.drift import DriftMonitor, check_monitor
+from revnet.drift import DriftMonitor
 
 __all__ = ["scan", "while_loop"]
 
@@ -109,12 +109,12 @@ def while_loop(
     *,
     max_steps: int | None = None,
     checkpoints: int | None = None,
-    mode: str = args.AUTO,
+    mode: str = _checks.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = args.UNSET,
+    invert: Any = _checks.UNSET,
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -197,29 +197,19 @@ def while_loop(
         ``checkpoints`` or ``anchor_every`` is below 1, or ``anchor_every`` is
         given without ``max_steps``.
     """
-    check_options(decisions, kinks, "while_loop")
-    args.check_callable("while_loop", "cond_fun", cond_fun)
-    args.check_callable("while_loop", "body_fun", body_fun)
-    bound = args.check_max_steps(max_steps)
-    slots = args.check_checkpoints("while_loop", checkpoints, bound)
-    mode = args.check_mode("while_loop", mode, invert)
-    if mode == "store" and bound is None:
-        raise ValueError(
-            "while_loop: mode='store' stores carry leaves at every step and needs "
-            "max_steps (room for that many steps); give max_steps, or use "
-            "mode='checkpoint'"
-        )
-    anchor_every = args.check_anchor_every("while_loop", anchor_every)
-    drift = check_monitor("while_loop", drift)
-    if anchor_every is not None and bound is None:
-        raise ValueError(
-            "while_loop: anchor_every needs max_steps (room for the anchors is "
-            f"made for max_steps steps), got anchor_every={anchor_every} and "
-            "max_steps=None"
-        )
-    if drift is not None and anchor_every is None:
-        anchor_every = args.INT32_MAX if bound is None else max(bound, 1)
-    bname = args.name(body_fun, "body_fun")
+    bound, slots, mode, anchor_every, drift = _checks.while_options(
+        cond_fun,
+        body_fun,
+        max_steps,
+        checkpoints,
+        mode,
+        invert,
+        anchor_every,
+        drift,
+        decisions,
+        kinks,
+    )
+    bname = carry.name(body_fun, "body_fun")
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     out_tree_box: list = []
 
@@ -232,18 +222,18 @@ def while_loop(
     def flat_cond(*carry):
         return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
 
-    leaves = args.promoted_carry(flat_body, leaves, [])
+    leaves = carry.promoted_carry(flat_body, leaves, [])
     body_jaxpr, body_consts, _ = trace(flat_body, leaves)
     nk = len(body_consts)
-    carry_avals = args.avals(body_jaxpr.invars[nk:])
-    args.check_carry(
-        bname, tree, out_tree_box[-1], carry_avals, args.avals(body_jaxpr.outvars)
+    carry_avals = carry.avals(body_jaxpr.invars[nk:])
+    carry.check_carry(
+        bname, tree, out_tree_box[-1], carry_avals, carry.avals(body_jaxpr.outvars)
     )
     cond_jaxpr, cond_consts, _ = trace(flat_cond, leaves)
-    pred = args.avals(cond_jaxpr.outvars)
+    pred = carry.avals(cond_jaxpr.outvars)
     if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
         raise TypeError(
-            f"cond_fun must return a boolean scalar, got ({args.describe(pred)})"
+            f"cond_fun must return a boolean scalar, got ({carry.describe(pred)})"
         )
     paths = leaf_paths("init_val", init_val)
     rebuilt = [False] * nk + [True] * len(leaves)
@@ -276,7 +266,7 @@ def while_loop(
         anchor_every,
         report,
     )
-    final = args.call("while_loop", run, list(body_consts), list(cond_consts), leaves)
+    final = carry.call("while_loop", run, list(body_consts), list(cond_consts), leaves)
     return jax.tree_util.tree_unflatten(tree, final)
 
 
@@ -293,12 +283,12 @@ def scan(
     unroll: int | bool = 1,
     *,
     checkpoints: int | None = None,
-    mode: str = args.AUTO,
+    mode: str = _checks.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = args.UNSET,
+    invert: Any = _checks.UNSET,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -386,20 +376,24 @@ def scan(
         or ``unroll`` is negative, or when ``checkpoints`` or ``anchor_every``
         is below 1.
     """
-    check_options(decisions, kinks, "scan")
-    args.check_callable("scan", "f", f)
-    length = args.check_length(length)
-    reverse = args.check_reverse(reverse)
-    unroll = args.check_unroll(unroll)
-    mode = args.check_mode("scan", mode, invert)
-    anchor_every = args.check_anchor_every("scan", anchor_every)
-    drift = check_monitor("scan", drift)
-    fname = args.name(f, "f")
+    length, reverse, unroll, mode, anchor_every, drift = _checks.scan_options(
+        f,
+        length,
+        reverse,
+        unroll,
+        mode,
+        invert,
+        anchor_every,
+        drift,
+        decisions,
+        kinks,
+    )
+    fname = carry.name(f, "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
-    n = args.scan_length(x_leaves, length)
-    slots = args.check_checkpoints("scan", checkpoints, n)
+    n = _checks.scan_length(x_leaves, length)
+    slots = _checks.check_checkpoints("scan", checkpoints, n)
     x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
     nc = len(c_leaves)
     trees: list = []
@@ -422,16 +416,16 @@ def scan(
         out = flat_f(*flat)
         return out[: trees[-1][1].num_leaves]
 
-    c_leaves = args.promoted_carry(carry_of_f, c_leaves, x_slices)
+    c_leaves = carry.promoted_carry(carry_of_f, c_leaves, x_slices)
     jaxpr, consts, _ = trace(flat_f, c_leaves + x_slices)
     nk = len(consts)
     out_tree, c_out_tree = trees[-1]
-    args.check_carry(
+    carry.check_carry(
         fname,
         c_tree,
         c_out_tree,
-        args.avals(jaxpr.invars[nk : nk + nc]),
-        args.avals(jaxpr.outvars[:nc]),
+        carry.avals(jaxpr.invars[nk : nk + nc]),
+        carry.avals(jaxpr.outvars[:nc]),
     )
     rebuilt = [False] * nk + [True] * nc + [False] * len(x_leaves)
     exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
@@ -451,6 +445,6 @@ def scan(
         anchor_every = max(n, 1)  # the initial carry only
     report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
     run = scan_function(sp, mode, slots, anchor_every, report)
-    final, ys = args.call("scan", run, list(consts), c_leaves, x_leaves)
+    final, ys = carry.call("scan", run, list(consts), c_leaves, x_leaves)
     ys = list(ys)[: len(ys) - extra]
     return jax.tree_util.tree_unflatten(out_tree, list(final) + ys)

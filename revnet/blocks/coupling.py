@@ -20,16 +20,14 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet.blocks._checks import (
+from revnet._checks import (
     check_bool,
     check_callable,
     check_choice,
     check_float_dtype,
-    check_name,
-    check_output,
     check_real,
-    check_splittable,
 )
+from revnet.blocks._block_checks import check_name, check_output, check_splittable
 from revnet.blocks._lift import Lifted
 
 _EXPECTED = "[batch, ..., 2 * half_channels]"

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
-from revnet.blocks._checks import check_choice, check_input, check_int, check_name
+from revnet._checks import check_choice, check_int
+from revnet.blocks._block_checks import check_input, check_name
 
 
 def space_to_depth(x: jax.Array, factor: int) -> jax.Array:

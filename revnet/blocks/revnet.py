@@ -20,16 +20,8 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet.blocks._checks import (
-    check_anchors,
-    check_bool,
-    check_float_dtype,
-    check_input,
-    check_int,
-    check_mapping,
-    check_name,
-    show,
-)
+from revnet._checks import check_bool, check_float_dtype, check_int, check_mapping, fail
+from revnet.blocks._block_checks import check_anchors, check_input, check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence
 
@@ -188,18 +180,14 @@ CONFIGS = {
 def _check_config(module: str, config: Any) -> RevNetConfig:
     """Checks the types of a :class:`RevNetConfig`; returns it with tuples."""
     if not isinstance(config, RevNetConfig):
-        raise TypeError(
-            f"{module}: depth_config must be one of {sorted(CONFIGS)} or a "
-            f"RevNetConfig, got {show(config)}."
-        )
+        expected = f"one of {sorted(CONFIGS)} or a RevNetConfig"
+        raise fail(module, "depth_config", config, expected)
     fields = {}
     for field in ("units", "channels"):
         value = getattr(config, field)
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise TypeError(
-                f"{module}: depth_config.{field} must be a tuple of positive "
-                f"integers, got {show(value)}."
-            )
+            expected = "a tuple of positive integers"
+            raise fail(module, f"depth_config.{field}", value, expected)
         fields[field] = tuple(
             check_int(module, f"depth_config.{field}[{i}]", v)
             for i, v in enumerate(value)

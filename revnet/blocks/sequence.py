@@ -30,16 +30,9 @@ import jax
 import numpy as np
 
 import revnet
-from revnet.blocks._checks import (
-    check_anchors,
-    check_bool,
-    check_callable,
-    check_input,
-    check_int,
-    check_name,
-    check_sharding,
-    show,
-)
+from revnet._checks import check_bool, check_callable, check_int, check_sharding, fail
+from revnet._engine import show
+from revnet.blocks._block_checks import check_anchors, check_input, check_name
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks.sharding import constrain, sharded_layer
 
@@ -197,9 +190,7 @@ class ReversibleSequence(hk.Module):
         else:
             expected = "a callable or a non-empty list of callables"
             if isinstance(block_fn, (str, bytes)) or not isinstance(block_fn, Sequence):
-                raise TypeError(
-                    f"{module}: block_fn must be {expected}, got {show(block_fn)}."
-                )
+                raise fail(module, "block_fn", block_fn, expected)
             block_fns = list(block_fn)
             for i, fn in enumerate(block_fns):
                 check_callable(module, f"block_fn[{i}]", fn)

@@ -15,15 +15,8 @@ import haiku as hk
 import jax
 
 import revnet
-from revnet.blocks._checks import (
-    check_anchors,
-    check_bool,
-    check_float_dtype,
-    check_input,
-    check_int,
-    check_name,
-    check_real,
-)
+from revnet._checks import check_bool, check_float_dtype, check_int, check_real
+from revnet.blocks._block_checks import check_anchors, check_input, check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence
 
