@@ -72,6 +72,7 @@ def _grads(scan_fn, w, b, c, **kw):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("every", [1, 3, 4, N, 20])
+@pytest.mark.slow
 def test_anchored_gradients_equal_plain_autodiff(every, reverse, dtype):
     with jax.enable_x64(dtype == jnp.float64):
         w, b = _weights(dtype)
@@ -96,6 +97,7 @@ def test_anchored_gradients_equal_plain_autodiff(every, reverse, dtype):
     batch=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_anchored_gradients_for_drawn_lengths(n, every, reverse, batch, seed):
     w, b = _weights(jnp.float32, n=n, seed=seed)
     c = _carry(jnp.float32, batch=(batch,), seed=seed + 1)
@@ -198,6 +200,7 @@ def _segment_errors(w, b, c, every, reverse=False):
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("every, n", [(4, 12), (6, 12), (None, 6)])
+@pytest.mark.slow
 def test_drift_readings_match_the_reconstruction_error(every, n, reverse):
     w, b = _weights(jnp.float32, n=n)
     c = _carry(jnp.float32)
@@ -260,6 +263,7 @@ def _temp(n, every, d=256):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_anchor_memory_grows_by_one_carry_per_anchor():
     carry = 2 * 32 * 256 * 4  # bytes of (x1, x2)
     # Without anchors only the outputs ys (32 floats a step) grow with steps.
@@ -338,6 +342,7 @@ def _counted(b, c, w):
 @pytest.mark.parametrize(
     "kw", [dict(unroll=3), dict(unroll=True), dict(reverse=True, unroll=2)]
 )
+@pytest.mark.slow
 def test_anchors_with_unroll_and_an_integer_leaf(kw):
     w, b = _weights(jnp.float32)
     x1, x2 = _carry(jnp.float32)

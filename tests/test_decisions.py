@@ -25,6 +25,7 @@ def _grads(decide, wrap, dtype, depth=32):
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.slow
 def test_decision_programs_match_jax_grad_at_depth_32(name):
     """The six programs of the issue, float32, tied inputs: every input and
     parameter leaf within 1e-3 of its largest entry (measured: <= 4e-6)."""
@@ -41,6 +42,7 @@ def test_decision_programs_match_jax_grad_at_depth_32(name):
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.slow
 def test_decision_programs_match_jax_grad_in_float64(name):
     decide = bd.PROGRAMS[name]
     with jax.enable_x64(True):
@@ -78,6 +80,7 @@ PER_LAYER = {
 
 
 @pytest.mark.parametrize("name", list(PER_LAYER))
+@pytest.mark.slow
 def test_a_stack_with_decisions_stores_exactly_its_decision_tensors(name):
     decide = bd.PROGRAMS[name]
     stored = [_temp(decide, depth, "store") for depth in (4, 32)]
@@ -160,6 +163,7 @@ KINKS = {
 
 
 @pytest.mark.parametrize("name", list(KINKS))
+@pytest.mark.slow
 def test_stored_kinks_differentiate_as_jax_grad_at_exact_ties(name):
     """Kinks at exact ties in the forward pass (halves against 0, +-1/4, 1/2)."""
     kink = KINKS[name]
@@ -214,6 +218,7 @@ def _routing_body(c, w):
 @pytest.mark.parametrize(
     "kw", [{}, {"anchor_every": 4}, {"mode": "invert"}, {"mode": "checkpoint"}]
 )
+@pytest.mark.slow
 def test_revnet_scan_stores_decisions_per_step(kw):
     ps, (a, b) = bd.params(24), bd.inputs()
     ws = jnp.stack([ps["f"], ps["g"]], 1)
@@ -306,6 +311,7 @@ def _tied_tokens(batch=4, time=6, width=16):
     return jnp.asarray(np.repeat(base, time // 2, axis=1), jnp.float32)
 
 
+@pytest.mark.slow
 def test_moe_routed_reversible_transformer_matches_its_twin():
     x = _tied_tokens()
     model, twin = _moe_model(True), _moe_model(False)
@@ -321,6 +327,7 @@ def test_moe_routed_reversible_transformer_matches_its_twin():
         assert_trees_close(got, want, 1e-10, "MoE gradients, float64")
 
 
+@pytest.mark.slow
 def test_moe_stores_one_routing_per_token_and_layer():
     """Memory cost: top-2 indices, int32, per token and layer (plus nothing)."""
     x = _tied_tokens()
@@ -337,6 +344,7 @@ def test_moe_stores_one_routing_per_token_and_layer():
     assert temps[12, "recompute"] == temps[4, "recompute"]
 
 
+@pytest.mark.slow
 def test_a_decision_inside_shard_map_is_refused_not_recomputed():
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec("x")

@@ -48,6 +48,7 @@ def test_registry_lists_rules_with_their_properties():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unary", [jax.scipy.special.erfinv, jnp.tanh])
+@pytest.mark.slow
 def test_where_of_any_elementwise_rule_inverts(dtype, unary):
     # erf_inv has a rule and is elementwise: the select inverts it as it does tanh.
     with jax.enable_x64(dtype == "float64"):
@@ -296,6 +297,7 @@ def test_custom_ivjp_of_one_input_may_return_the_bare_input(dtype, form):
         check_against_autodiff(lambda x: jnp.tanh(f(x)), x)
 
 
+@pytest.mark.slow
 def test_custom_ivjp_remembers_a_bounded_number_of_shapes():
     f = _affine("bare")
     for n in range(100):

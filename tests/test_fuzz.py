@@ -11,6 +11,8 @@ import pytest
 import revnet
 from tests import fuzz_programs as fz
 
+pytestmark = pytest.mark.slow  # thousands of random programs
+
 SHARDS = 4
 PROGRAMS_PER_SHARD = 500
 # The expensive constructs (compilations per program: loops, the jitted step)

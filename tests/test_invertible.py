@@ -38,6 +38,7 @@ def _loss(f):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.slow
 def test_32_block_chain_gradients_every_input_and_weight(dtype):
     with jax.enable_x64(dtype == jnp.float64):
         d = 16

@@ -78,6 +78,7 @@ RULE_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(RULE_CASES))
+@pytest.mark.slow
 def test_rule_round_trip_and_vjp_float64(name):
     with jax.enable_x64(True):
         x = _normal(0, (6, 4)) * 0.5
@@ -179,6 +180,7 @@ def _build(ops, ws):
     st.integers(1, 4),
     st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_random_invertible_programs(ops, dtype, batch, seed):
     with jax.enable_x64(dtype == "float64"):
         dt = jnp.dtype(dtype)

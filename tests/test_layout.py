@@ -111,6 +111,7 @@ def _conv_pair(case, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_canonical_conv_matches_the_primitive(case, dtype):
     with jax.enable_x64(dtype == "float64"):
         lhs, rhs, plain, ours = _conv_pair(case, dtype, seed=0)

@@ -196,6 +196,7 @@ def test_invert_true_names_the_leaf_that_cannot_be_rebuilt():
     ids=["auto", "checkpoint", "checkpoint2"],
 )
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_while_gradients_equal_the_unrolled_loop(kind, kw, dtype):
     n = 13
     with jax.enable_x64(dtype == jnp.float64):
@@ -224,6 +225,7 @@ def _scan_ref(kind, p, c, xs, reverse=False):
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("kw", [dict(), dict(mode="checkpoint", checkpoints=3)])
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_scan_gradients_equal_the_unrolled_loop(kind, kw, reverse, dtype):
     with jax.enable_x64(dtype == jnp.float64):
         p, c = _params(dtype), _init(kind, dtype, batch=(2,))
@@ -237,6 +239,7 @@ def test_scan_gradients_equal_the_unrolled_loop(kind, kw, reverse, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_vmap_with_per_element_trip_counts(kind, dtype):
     """Each element stops at its own step; gradients are exact per element."""
     stops = jnp.array([3, 11, 0, 7])
@@ -260,6 +263,7 @@ def test_vmap_with_per_element_trip_counts(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_hessian_is_forward_over_reverse(kind):
     with jax.enable_x64(True):
         p, c = _params(jnp.float64), _init(kind, jnp.float64)

@@ -484,6 +484,7 @@ _scan_vg, _lax_scan_vg = _scan_value_and_grad(scan), _scan_value_and_grad(lax.sc
     f64=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_scan_matches_lax_scan(d, length, reverse, f64, seed):
     dtype = jnp.float64 if f64 else jnp.float32
     with jax.enable_x64(f64):
@@ -707,6 +708,7 @@ def _list_value_and_grad(scan_fn, case):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("case", sorted(_LIST_CASES))
 @pytest.mark.parametrize("dtype, x64", _DTYPES)
+@pytest.mark.slow
 def test_scan_list_carries_match_lax_scan(case, dtype, x64, reverse):
     with jax.enable_x64(x64):
         p = _params(11, 3, dtype)
@@ -773,6 +775,7 @@ def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
 
 @pytest.mark.parametrize("unroll", [1, 2, 3, 0, True, False, np.int64(2)])
 @pytest.mark.parametrize("dtype, x64", _DTYPES[::2])
+@pytest.mark.slow
 def test_scan_unroll_matches_lax_scan(unroll, dtype, x64):
     with jax.enable_x64(x64):
         p = _params(4, 3, dtype)
@@ -962,6 +965,7 @@ _WEAK_MODES = [
 @pytest.mark.parametrize(
     "mode,with_max,kw", _WEAK_MODES, ids=[m[0] for m in _WEAK_MODES]
 )
+@pytest.mark.slow
 def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, kw):
     def body(c, x):
         c = _weak_step(*c, x, with_max)

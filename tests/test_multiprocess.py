@@ -34,6 +34,8 @@ import pytest
 
 from tests.helpers import assert_trees_close
 
+pytestmark = pytest.mark.slow  # multi-process runs
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _WORKER = '''

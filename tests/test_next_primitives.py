@@ -183,6 +183,7 @@ def inputs(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 @pytest.mark.parametrize("flag_name", FLAGS)
+@pytest.mark.slow
 def test_inverted_path_under_flag(flag_name, program, dtype):
     make, classic = PROGRAMS[program]
     with flag(flag_name), dtype_scope(dtype):
@@ -297,6 +298,7 @@ def test_revnet_while_loop_under_flag(flag_name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("flag_name", FLAGS)
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.slow
 def test_revnet_scan_under_flag(reverse, flag_name, dtype):
     def run(scan, x, w):
         @jax.checkpoint
@@ -370,6 +372,7 @@ def sequence(reversible):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize("flag_name", FLAGS)
 @pytest.mark.parametrize("reference", ["flagged", "unflagged"])
+@pytest.mark.slow
 def test_reversible_sequence_under_flag(reference, flag_name, dtype):
     """The Haiku stack (a lax.scan over stacked parameters inside ONE
     invertible function) against its plain twin, with the flag on or off."""

@@ -22,6 +22,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # 8-device subprocesses
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PRELUDE = textwrap.dedent(

@@ -183,6 +183,7 @@ def test_static_hyper_parameter_under_jit_retrace(dtype):
             )
 
 
+@pytest.mark.slow
 def test_caches_are_bounded():
     from revnet._engine import PLAN_CACHE
 

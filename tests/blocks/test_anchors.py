@@ -24,6 +24,8 @@ from benchmarks import numerics
 from revnet import blocks
 from tests.helpers import assert_trees_close, cast_floats
 
+pytestmark = pytest.mark.slow  # depth-128 stacks and subprocesses
+
 DEPTH = 128
 
 

@@ -35,6 +35,7 @@ def setup(entry: Entry):
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+@pytest.mark.slow
 def test_jit_matches_eager_and_inverse_round_trips(entry):
     x, params, state = setup(entry)
     forward = transformed(entry, method="forward").apply
@@ -86,11 +87,13 @@ def twin_gradients(entry: Entry, dtype, rtol: float) -> None:
 
 
 @pytest.mark.parametrize("entry", TWINS, ids=lambda e: e.name)
+@pytest.mark.slow
 def test_gradients_match_twin_float32(entry):
     twin_gradients(entry, jnp.float32, 1e-5)
 
 
 @pytest.mark.parametrize("entry", TWINS, ids=lambda e: e.name)
+@pytest.mark.slow
 def test_gradients_match_twin_float64(entry):
     with jax.enable_x64(True):
         twin_gradients(entry, jnp.float64, 1e-10)

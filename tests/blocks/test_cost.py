@@ -101,6 +101,7 @@ def temp(model, depth, reversible):
 @pytest.mark.parametrize(
     "model, depths", [(sequence, (4, 64)), (revnet, (4, 64)), (chain, (4, 16))]
 )
+@pytest.mark.slow
 def test_activation_memory_is_flat_in_depth(model, depths):
     small, large = depths
     rev = {d: temp(model, d, True) for d in depths}

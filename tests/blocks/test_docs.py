@@ -16,6 +16,7 @@ MODULES = ["coupling", "sequence", "permutation", "revnet", "transformer"]
 
 
 @pytest.mark.parametrize("name", MODULES)
+@pytest.mark.slow
 def test_docstring_examples(name):
     module = importlib.import_module(f"revnet.blocks.{name}")
     names = {n: getattr(blocks, n) for n in blocks.__all__}

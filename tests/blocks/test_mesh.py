@@ -21,6 +21,8 @@ import pytest
 
 from tests.test_sharding import _PRELUDE, _run
 
+pytestmark = pytest.mark.slow  # 8-device subprocesses
+
 _MESH_PRELUDE = _PRELUDE + textwrap.dedent(
     """
     import haiku as hk

@@ -99,6 +99,7 @@ def step(name: str, reversible: bool, params, state, x):
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.slow
 def test_gradients_equal_the_twin(name, dtype):
     inputs = setup(name)  # in float32, outside the float64 context
     with jax.enable_x64(dtype == "float64"):
@@ -168,6 +169,7 @@ def train_step_temp(name: str, depth: int, reversible: bool) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
+@pytest.mark.slow
 def test_activation_memory_is_flat_in_depth(name):
     rev = {d: train_step_temp(name, d, True) for d in (4, 32)}
     std = train_step_temp(name, 32, False)

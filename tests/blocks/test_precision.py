@@ -51,6 +51,7 @@ def setup(make):
 
 
 @pytest.mark.parametrize("make", [coupling_stack, transformer])
+@pytest.mark.slow
 def test_bfloat16_compute_float32_stream(make):
     x, params = setup(make)
     assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}

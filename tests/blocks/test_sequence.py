@@ -24,6 +24,7 @@ def dropout_block(h: jax.Array) -> jax.Array:
     return blocks.AdditiveCoupling(dropout_mlp, dropout_mlp)(h)
 
 
+@pytest.mark.slow
 def test_dropout_is_replayed_exactly():
     def net(reversible):
         def seq():
@@ -62,6 +63,7 @@ def batchnorm_net(reversible):
     )
 
 
+@pytest.mark.slow
 def test_batchnorm_state_updated_once_like_the_twin():
     rev, twin = batchnorm_net(True), batchnorm_net(False)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 4, 8)) * 2 + 1
@@ -91,6 +93,7 @@ def test_batchnorm_state_updated_once_like_the_twin():
     assert all(jax.tree.leaves(changed))
 
 
+@pytest.mark.slow
 def test_batchnorm_eval_mode_uses_running_statistics():
     rev, twin = batchnorm_net(True), batchnorm_net(False)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 4, 8))
@@ -200,6 +203,7 @@ def test_revnet_family_depths(config, convs):
     assert stage_convs + 2 == convs
 
 
+@pytest.mark.slow
 def test_sequences_nest_inside_blocks():
     """A sequence inside a block is one invertible call inside the outer one."""
 

@@ -230,6 +230,7 @@ CHECKPOINTED = [
     [(*case, True) for case in CHECKPOINTED]
     + [(*CHECKPOINTED[2], False), (*CHECKPOINTED[3], False)],
 )
+@pytest.mark.slow
 def test_backward_checkpointed(checkpoints, num_steps, backward_order, with_max_steps):
     # test_while_loop.py::test_backward_checkpointed. Values and gradients as
     # upstream. Upstream also checks its exact schedule; revnet's differs by
@@ -319,6 +320,7 @@ def test_backward_bounded():
     # Each kind with a batched stopping step; the unbatched case once.
     [("lax", True), ("bounded", True), ("checkpointed", True), ("bounded", False)],
 )
+@pytest.mark.slow
 def test_vmap_primal(kind, batched_cond):
     # test_while_loop.py::test_vmap_primal_unbatched_cond and
     # test_vmap_primal_batched_cond. Upstream differentiates only the bounded
@@ -360,6 +362,7 @@ def test_vmap_primal(kind, batched_cond):
 
 
 @pytest.mark.parametrize("kind", ("bounded", "checkpointed"))
+@pytest.mark.slow
 def test_vmap_cotangent(kind):
     # test_while_loop.py::test_vmap_cotangent: jax.jacrev vmaps the cotangents.
     cond_fun, make_body_fun, init_val1, init_val2, mlp = _get_problem(
@@ -388,6 +391,7 @@ def test_vmap_cotangent(kind):
 
 
 @pytest.mark.parametrize("read", (True,))  # upstream's read=False is a subset
+@pytest.mark.slow
 def test_nested_loops(read):
     # test_while_loop.py::test_nested_loops: the save pattern of
     # diffrax.diffeqsolve(saveat=SaveAt(ts=...)), vmapped, with a VJP.
@@ -756,6 +760,7 @@ def test_scan(kind, vjp):
 
 @pytest.mark.parametrize("kind", tuple(SCAN_KINDS))
 @pytest.mark.parametrize("length", (4, None))
+@pytest.mark.slow
 def test_scan_standard_promotion(kind, length):
     # test_scan.py::test_scan under standard promotion: values and gradients
     # then match, and only the weak-type check fails.

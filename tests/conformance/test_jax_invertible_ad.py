@@ -147,6 +147,7 @@ def _reduce(f, x1, x2):
 
 
 @DTYPES
+@pytest.mark.slow
 def test_invertible_blocks(dtype, ctx):
     # api_test.py::InvertibleADTest::test_invertible_blocks. Upstream compares
     # invertible(g) with g; both use the custom rule here, so both are also
