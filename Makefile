@@ -37,9 +37,9 @@ test-all: $(STAMP_TEST) $(STAMP_EXP)
 # Haiku stack's own files stand for it (NEXT_TESTS=... tests/blocks for all).
 # tests/test_next_primitives.py sets each flag itself and runs in `make test-all`.
 NEXT_FLAGS ?= JAX_CUSTOM_VJP3 JAX_REMAT3 JAX_SCAN3
-NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py tests/test_ivjp_rules.py \
-	tests/test_loops.py tests/test_loop_modes.py tests/blocks/test_sequence.py \
-	tests/blocks/test_coupling.py tests/test_decisions.py
+NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py tests/test_rules.py \
+	tests/test_ivjp.py tests/test_loops.py tests/test_loops_modes.py \
+	tests/blocks/test_sequence.py tests/blocks/test_coupling.py tests/test_decisions.py
 test-next: $(STAMP_TEST)
 	@status=0; for flag in $(NEXT_FLAGS); do \
 		echo "== $$flag=1"; \

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +13,22 @@ import numpy as np
 
 import revnet
 
-# Relative tolerances, measured against the largest value of each compared tree.
-RTOL = {jnp.dtype("float32"): 1e-5, jnp.dtype("float64"): 1e-10}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Relative tolerances, measured against the largest value of each compared tree,
+# keyed by dtype name; look them up with ``tolerance(dtype)``.
+RTOL = {"float32": 1e-5, "float64": 1e-10}
+
+# The loop-mode and anchor tests compare gradients carried back through tens of
+# reconstructed steps: each inverted step adds float32 rounding to the carry it
+# rebuilds, so float32 gets twice the single-function tolerance there.
+LOOP_RTOL = {**RTOL, "float32": 2e-5}
+
+
+def tolerance(dtype, *, loops: bool = False) -> float:
+    """The tolerance of ``dtype`` (a name, a scalar type such as ``jnp.float32``
+    or a dtype object); ``loops=True`` for gradients through reversed loops."""
+    return (LOOP_RTOL if loops else RTOL)[jnp.dtype(dtype).name]
 
 
 def is_float(x) -> bool:
@@ -41,7 +58,12 @@ def cotangents_like(tree, seed: int = 0):
 
 
 def assert_trees_close(
-    actual, expected, rtol: float, what: str = "value", floor: float = 0.1
+    actual,
+    expected,
+    rtol: float,
+    what: str = "value",
+    floor: float = 0.1,
+    exact_dtypes: bool = False,
 ):
     """Elementwise comparison of two trees, leaf by leaf.
 
@@ -49,7 +71,9 @@ def assert_trees_close(
     an absolute term ``rtol * max(leaf_max, floor * tree_max)``. The floor
     matters for leaves whose true value is zero in theory (a bias feeding a
     BatchNorm): they are rounding noise, so they are measured against a fraction
-    of the tree's largest value instead of against themselves.
+    of the tree's largest value instead of against themselves; ``floor=0``
+    measures each leaf against itself only. With ``exact_dtypes`` every leaf
+    must also have the expected dtype, and the non-float leaves must be equal.
     """
     assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(
         expected
@@ -57,6 +81,12 @@ def assert_trees_close(
     la = jax.tree_util.tree_leaves(actual)
     le = jax.tree_util.tree_leaves(expected)
     assert len(la) == len(le), f"{what}: {len(la)} leaves vs {len(le)}"
+    if exact_dtypes:
+        for n, (a, e) in enumerate(zip(la, le)):
+            dts = (jnp.result_type(a), jnp.result_type(e))
+            assert dts[0] == dts[1], f"{what} leaf {n}: dtype {dts[0]} vs {dts[1]}"
+            if not is_float(e):
+                np.testing.assert_array_equal(a, e, err_msg=f"{what} leaf {n}")
     floats = [(a, e) for a, e in zip(la, le) if is_float(e)]
     tree_max = max([float(jnp.max(jnp.abs(e))) for _, e in floats if np.size(e)] + [0])
     assert tree_max > 0 or not floats, f"{what}: all zero, the check would be vacuous"
@@ -74,7 +104,7 @@ def assert_trees_close(
 
 def dtype_rtol(tree) -> float:
     dts = [jnp.result_type(x) for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
-    return max(RTOL.get(jnp.dtype(d), 1e-2) for d in dts) if dts else 1e-5
+    return max(RTOL.get(jnp.dtype(d).name, 1e-2) for d in dts) if dts else 1e-5
 
 
 def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0):
@@ -94,6 +124,52 @@ def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0)
     assert isinstance(back, tuple) and len(back) == len(args)
     assert_trees_close(back, args, rtol, "inverse")
     return out
+
+
+def compiled(fn, *args):
+    """Lowers and compiles ``jax.jit(fn)`` for ``args``."""
+    return jax.jit(fn).lower(*args).compile()
+
+
+def temp_size(program) -> int:
+    """XLA's planned temporary (activation/workspace) memory of a compiled
+    program, per device."""
+    return program.memory_analysis().temp_size_in_bytes
+
+
+def temp_bytes(fn, *args) -> int:
+    """``temp_size`` of ``jit(fn)`` compiled for ``args``."""
+    return temp_size(compiled(fn, *args))
+
+
+def flop_count(program) -> float:
+    """XLA's FLOP count of a compiled program (a loop body is counted once)."""
+    return program.cost_analysis()["flops"]
+
+
+def flops(fn, *args) -> float:
+    """``flop_count`` of ``jit(fn)`` compiled for ``args``."""
+    return flop_count(compiled(fn, *args))
+
+
+def run_python(*argv: str, devices: int | None = 8, timeout: float = 900) -> str:
+    """Runs ``python *argv`` in a fresh interpreter at the repository root, with
+    ``devices`` forced CPU devices (None: JAX's default); asserts that it exits
+    0 and returns its stdout. ``run_python("-c", code)`` runs a snippet."""
+    env = dict(os.environ)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
 
 
 @contextlib.contextmanager

@@ -11,9 +11,12 @@ from tests.helpers import (
     UNDER_CUSTOM_VJP3,
     assert_trees_close,
     check_against_autodiff,
+    compiled,
     cotangents_like,
+    flop_count,
     nondifferentiable,
     runtime_checks,
+    temp_size,
 )
 
 
@@ -239,12 +242,12 @@ def _compiled(n_steps, reversible, width=128, batch=256, checks=False):
         return _loss(revnet.invertible(f) if reversible else f)(x1, x2)
 
     with runtime_checks(checks):
-        return jax.jit(jax.grad(loss, (0, 1, 2))).lower(ws, x, x).compile()
+        return compiled(jax.grad(loss, (0, 1, 2)), ws, x, x)
 
 
 def test_memory_flat_in_depth_while_autodiff_grows():
-    rev = [_compiled(n, True).memory_analysis().temp_size_in_bytes for n in (8, 64)]
-    std = [_compiled(n, False).memory_analysis().temp_size_in_bytes for n in (8, 64)]
+    rev = [temp_size(_compiled(n, True)) for n in (8, 64)]
+    std = [temp_size(_compiled(n, False)) for n in (8, 64)]
     assert rev[1] <= 1.10 * rev[0], f"reversible temp memory grew: {rev}"
     assert std[1] >= 4 * std[0], f"plain autodiff did not grow as expected: {std}"
     assert std[1] >= 10 * rev[1]
@@ -252,19 +255,16 @@ def test_memory_flat_in_depth_while_autodiff_grows():
 
 def test_flops_within_four_thirds_of_backprop():
     # cost_analysis counts a scan body once: compare scans of the same length.
-    rev = _compiled(8, True).cost_analysis()["flops"]
-    std = _compiled(8, False).cost_analysis()["flops"]
+    rev = flop_count(_compiled(8, True))
+    std = flop_count(_compiled(8, False))
     assert rev <= 1.40 * std, f"reversible/standard FLOPs = {rev / std:.3f}"
 
 
 def test_runtime_checks_keep_memory_flat_and_cost_little():
-    rev = [
-        _compiled(n, True, checks=True).memory_analysis().temp_size_in_bytes
-        for n in (8, 64)
-    ]
+    rev = [temp_size(_compiled(n, True, checks=True)) for n in (8, 64)]
     assert rev[1] <= 1.10 * rev[0], f"reversible temp memory grew: {rev}"
-    on = _compiled(8, True, checks=True).cost_analysis()["flops"]
-    off = _compiled(8, True).cost_analysis()["flops"]
+    on = flop_count(_compiled(8, True, checks=True))
+    off = flop_count(_compiled(8, True))
     assert off < on <= 1.05 * off, f"checks on/off FLOPs = {on / off:.4f}"
 
 

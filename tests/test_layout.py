@@ -22,7 +22,7 @@ from jax import lax
 import revnet
 from revnet import blocks
 from revnet._engine import layout
-from tests.helpers import RTOL, assert_trees_close, cotangents_like
+from tests.helpers import assert_trees_close, cotangents_like, tolerance
 
 DTYPES = ["float32", "float64"]
 
@@ -117,7 +117,7 @@ def test_canonical_conv_matches_the_primitive(case, dtype):
         lhs, rhs, plain, ours = _conv_pair(case, dtype, seed=0)
         out, vjp = jax.vjp(plain, lhs, rhs)
         rout, rvjp = jax.vjp(ours, lhs, rhs)
-        rtol = RTOL[jnp.dtype(dtype)]
+        rtol = tolerance(dtype)
         assert_trees_close(rout, out, rtol, "output")
         cts = cotangents_like(out)
         assert_trees_close(rvjp(cts), vjp(cts), rtol, "cotangent")
@@ -138,7 +138,7 @@ def test_canonical_conv_second_order(case, dtype):
 
         got = jax.grad(grad_norm(ours), argnums=(0, 1))(lhs, rhs)
         want = jax.grad(grad_norm(plain), argnums=(0, 1))(lhs, rhs)
-        assert_trees_close(got, want, RTOL[jnp.dtype(dtype)], "second order")
+        assert_trees_close(got, want, tolerance(dtype), "second order")
 
 
 def _dim_labels(compiled_text: str) -> list[str]:
@@ -193,7 +193,7 @@ def test_reversible_conv_stack_gradients_equal_plain_autodiff(dtype):
         params = jax.tree.map(lambda p: p.astype(dtype), params)
         g = jax.grad(_loss(rev), argnums=(0, 1))(params, x, state)
         ref = jax.grad(_loss(twin), argnums=(0, 1))(params, x, state)
-        assert_trees_close(g, ref, RTOL[jnp.dtype(dtype)], "gradient")
+        assert_trees_close(g, ref, tolerance(dtype), "gradient")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -224,4 +224,4 @@ def test_nchw_conv_in_invertible_function(dtype):
         cts = cotangents_like(jax.eval_shape(f, x, w), seed=3)
         _, vjp = jax.vjp(f, x, w)
         _, rvjp = jax.vjp(rev, x, w)
-        assert_trees_close(rvjp(cts), vjp(cts), RTOL[jnp.dtype(dtype)], "cotangent")
+        assert_trees_close(rvjp(cts), vjp(cts), tolerance(dtype), "cotangent")

@@ -23,9 +23,17 @@ from jax import lax
 
 from revnet import NotInvertibleError, loops
 from revnet.loops import scan, while_loop
-from tests.helpers import UNDER_CUSTOM_VJP3, UNDER_SCAN3, nondifferentiable
+from tests.helpers import (
+    UNDER_CUSTOM_VJP3,
+    UNDER_SCAN3,
+    assert_trees_close,
+    compiled,
+    flop_count,
+    nondifferentiable,
+    temp_size,
+    tolerance,
+)
 
-RTOL = {jnp.float32: 1e-5, jnp.float64: 1e-10}
 # Every example compiles a new program (~1 s on 2 cores): a third of the
 # profile's examples, but at least 8, keeps the file near a minute.
 _FEW = settings(max_examples=max(8, settings.default.max_examples // 3))
@@ -81,17 +89,6 @@ def _loss_while(p, x1, x2, cond, max_steps=None):
     return _readout(y1, y2), i
 
 
-def _assert_tree_close(got, want, rtol):
-    """Elementwise, with an absolute floor of ``rtol`` times each leaf's scale."""
-    got_l, got_t = jax.tree_util.tree_flatten(got)
-    want_l, want_t = jax.tree_util.tree_flatten(want)
-    assert got_t == want_t
-    for g, w in zip(got_l, want_l):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        scale = float(jnp.max(jnp.abs(w))) if w.size else 0.0
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale)
-
-
 @contextlib.contextmanager
 def _record_backward_steps():
     """Records the remaining-step counter of every backward iteration.
@@ -137,7 +134,7 @@ def test_while_gradients_equal_scan_reference(d, batch, n, f64, seed):
         x1, x2 = _inputs(seed, batch, d, dtype)
         got = _while_vg(p, x1, x2, jnp.int32(n))
         want = _ref_vg(p, x1, x2, n)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
@@ -163,7 +160,9 @@ def test_while_data_dependent_stopping(dtype):
             m += 1
         assert int(n) == m and m > 3
         want = _ref_vg(p, x1, x2, m)
-        _assert_tree_close((val, grads), want, RTOL[dtype])
+        assert_trees_close(
+            (val, grads), want, tolerance(dtype), floor=0.0, exact_dtypes=True
+        )
 
 
 def test_while_max_steps_bounds_the_loop():
@@ -174,8 +173,12 @@ def test_while_max_steps_bounds_the_loop():
     )
     (_, n), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, x1, x2)
     assert int(n) == 7
-    _assert_tree_close(
-        g, jax.grad(_loss_scan_ref, argnums=(0, 1, 2))(p, x1, x2, 7), 1e-5
+    assert_trees_close(
+        g,
+        jax.grad(_loss_scan_ref, argnums=(0, 1, 2))(p, x1, x2, 7),
+        1e-5,
+        floor=0.0,
+        exact_dtypes=True,
     )
     # max_steps=0 is the identity, with an identity gradient.
     (_, n0), g0 = jax.value_and_grad(
@@ -188,7 +191,7 @@ def test_while_max_steps_bounds_the_loop():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_while_vmap_per_element_trip_counts(dtype):
     """Elements stop at different steps; each gets its own exact gradient."""
-    rtol = RTOL[dtype]
+    rtol = tolerance(dtype)
     with jax.enable_x64(dtype == jnp.float64):
         p = _params(7, 4, dtype)
         x1, x2 = _inputs(7, 6, 4, dtype)  # the batch axis is the vmapped one
@@ -215,9 +218,15 @@ def test_while_vmap_per_element_trip_counts(dtype):
         for e, n in enumerate(ns):
             assert int(alone(p, x1[e], x2[e], tols[e])[1]) == n  # same trip count
             _, want = _ref_vg(p, x1[e], x2[e], n)
-            _assert_tree_close(jax.tree_util.tree_map(lambda a: a[e], g), want, rtol)
+            assert_trees_close(
+                jax.tree_util.tree_map(lambda a: a[e], g),
+                want,
+                rtol,
+                floor=0.0,
+                exact_dtypes=True,
+            )
             want_sum = jax.tree_util.tree_map(jnp.add, want_sum, want[0])
-        _assert_tree_close(g_sum, want_sum, rtol)
+        assert_trees_close(g_sum, want_sum, rtol, floor=0.0, exact_dtypes=True)
 
 
 def test_while_jit_equals_eager_and_values_equal_lax():
@@ -242,10 +251,12 @@ def test_while_jit_equals_eager_and_values_equal_lax():
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
     loss = lambda *a: _readout(*run(*a)[:2])  # noqa: E731
-    _assert_tree_close(
+    assert_trees_close(
         jax.grad(loss, argnums=(0, 1, 2))(p, x1, x2),
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x1, x2),
         1e-6,
+        floor=0.0,
+        exact_dtypes=True,
     )
 
 
@@ -270,7 +281,7 @@ def test_while_pytree_carry_with_integer_and_float_time():
     )(x1, x2, jnp.int32(5))
     assert gi.dtype == jax.dtypes.float0
     want = jax.grad(_loss_scan_ref, argnums=(1, 2))(p, x1, x2, n)
-    _assert_tree_close((g1, g2), want, 1e-5)
+    assert_trees_close((g1, g2), want, 1e-5, floor=0.0, exact_dtypes=True)
 
 
 def test_while_gradient_of_closed_over_step_size_and_haiku_params():
@@ -313,7 +324,13 @@ def test_while_gradient_of_closed_over_step_size_and_haiku_params():
         )
         return _readout(y1, y2)
 
-    _assert_tree_close(grads, jax.grad(ref, argnums=(0, 1, 2))(params, x1, x2), 1e-5)
+    assert_trees_close(
+        grads,
+        jax.grad(ref, argnums=(0, 1, 2))(params, x1, x2),
+        1e-5,
+        floor=0.0,
+        exact_dtypes=True,
+    )
 
 
 def test_while_closes_over_keys_ints_and_batched_step_sizes():
@@ -346,7 +363,7 @@ def test_while_closes_over_keys_ints_and_batched_step_sizes():
     argnums = (0, 1, 2, 3)
     got = jax.vmap(jax.grad(loss, argnums), (None, 0, None, None))(p, dts, x1, x2)
     want = jax.vmap(jax.grad(ref, argnums), (None, 0, None, None))(p, dts, x1, x2)
-    _assert_tree_close(got, want, 1e-5)
+    assert_trees_close(got, want, 1e-5, floor=0.0, exact_dtypes=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -354,9 +371,7 @@ def test_while_closes_over_keys_ints_and_batched_step_sizes():
 
 
 def _compiled_grad(loss, *args):
-    return (
-        jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).lower(*args).compile()
-    )
+    return compiled(jax.grad(loss, argnums=tuple(range(len(args)))), *args)
 
 
 def _memory_setup():
@@ -375,7 +390,7 @@ def test_while_memory_is_flat_in_steps_while_lax_scan_grows():
     p, x1, x2 = _memory_setup()
 
     def temp(loss):
-        return _compiled_grad(loss, p, x1, x2).memory_analysis().temp_size_in_bytes
+        return temp_size(_compiled_grad(loss, p, x1, x2))
 
     ours = {n: temp(_while_loss(n, n)) for n in (8, 1024)}
     ref = {
@@ -392,13 +407,13 @@ def test_while_backward_cost_follows_steps_taken():
     p, x1, x2 = _memory_setup()
     c8 = _compiled_grad(_while_loss(8, 8), p, x1, x2)
     c1024 = _compiled_grad(_while_loss(1024, 8), p, x1, x2)
-    f8, f1024 = c8.cost_analysis()["flops"], c1024.cost_analysis()["flops"]
+    f8, f1024 = flop_count(c8), flop_count(c1024)
     # cost_analysis counts a loop body once: the per-step bodies are the same.
     assert abs(f1024 - f8) <= 1e-4 * f8, (f8, f1024)
     # And the fused backward is ~4/3 of standard backprop per step (RevNet's
     # figure; an unfused inverse-then-VJP would be ~5/3).
     ref = _compiled_grad(lambda p, x1, x2: _loss_scan_ref(p, x1, x2, 8), p, x1, x2)
-    ratio = f8 / ref.cost_analysis()["flops"]
+    ratio = f8 / flop_count(ref)
     assert 1.0 < ratio < 1.45, ratio
 
 
@@ -497,7 +512,7 @@ def test_scan_matches_lax_scan(d, length, reverse, f64, seed):
         }
         got = _scan_vg(p, x1, x2, xs, reverse)
         want = _lax_scan_vg(p, x1, x2, xs, reverse)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
 
 
 def test_scan_length_without_xs_integer_carry_and_vmap():
@@ -518,10 +533,14 @@ def test_scan_length_without_xs_integer_carry_and_vmap():
     assert int(i) == 13
     np.testing.assert_array_equal(ys, np.arange(1, 13, 2))
     want = jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1))(x1, x2)
-    _assert_tree_close(g, want, 1e-5)
+    assert_trees_close(g, want, 1e-5, floor=0.0, exact_dtypes=True)
     gv = jax.vmap(jax.grad(lambda *a: loss(scan, *a)[0], (0, 1)))(x1, x2)
-    _assert_tree_close(
-        gv, jax.vmap(jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1)))(x1, x2), 1e-5
+    assert_trees_close(
+        gv,
+        jax.vmap(jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1)))(x1, x2),
+        1e-5,
+        floor=0.0,
+        exact_dtypes=True,
     )
 
 
@@ -535,7 +554,7 @@ def test_scan_memory_is_flat_in_length():
             )
             return _readout(y1, y2)
 
-        return _compiled_grad(loss, p, x1, x2).memory_analysis().temp_size_in_bytes
+        return temp_size(_compiled_grad(loss, p, x1, x2))
 
     ours = {n: temp(scan, n) for n in (8, 1024)}
     ref = {n: temp(lax.scan, n) for n in (8, 1024)}
@@ -722,9 +741,11 @@ def test_scan_list_carries_match_lax_scan(case, dtype, x64, reverse):
         want = _list_value_and_grad(lax.scan, case)(*args)
         got = _list_value_and_grad(scan, case)(*args)
         # Same containers (lists stay lists), dtypes and values, elementwise.
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         jitted = jax.jit(_list_value_and_grad(scan, case), static_argnums=4)
-        _assert_tree_close(jitted(*args), want, RTOL[dtype])
+        assert_trees_close(
+            jitted(*args), want, tolerance(dtype), floor=0.0, exact_dtypes=True
+        )
 
 
 def test_scan_pair_must_have_two_children_as_in_lax_scan():
@@ -750,7 +771,7 @@ def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
 
         got = while_loop(cond, body, [0, 1.0, 0])
         want = lax.while_loop(cond, body, [0, 1.0, 0])
-        _assert_tree_close(got, want, 1e-6)
+        assert_trees_close(got, want, 1e-6, floor=0.0, exact_dtypes=True)
 
         def loss(loop, w):
             def body_w(c):
@@ -766,7 +787,7 @@ def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
                 w,
             )
         )(w)
-        _assert_tree_close(g, ref, 1e-6)
+        assert_trees_close(g, ref, 1e-6, floor=0.0, exact_dtypes=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -801,7 +822,7 @@ def test_scan_unroll_matches_lax_scan(unroll, dtype, x64):
 
         got, got_unrolls = vg(scan)
         want, want_unrolls = vg(lax.scan)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         assert got_unrolls == want_unrolls and len(got_unrolls) == 2, (
             got_unrolls,
             want_unrolls,
@@ -846,7 +867,7 @@ def test_scan_bad_arguments(kwargs, exc, words):
 def test_scan_accepts_numpy_arguments():
     got = _scan_call(length=np.int64(3), reverse=np.bool_(True), unroll=np.int32(2))
     want = lax.scan(lambda c, x: (c + x, c), 0.0, jnp.arange(3.0), reverse=True)
-    _assert_tree_close(got, want, 1e-6)
+    assert_trees_close(got, want, 1e-6, floor=0.0, exact_dtypes=True)
 
 
 @pytest.mark.parametrize("arg", ["length", "reverse", "unroll"])
@@ -993,11 +1014,13 @@ def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, k
             got = run(scan, **kw)(h0, 0.7)
         assert seen == [mode]
         assert _types(got) == _types(want)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(lax.scan)), (0, 1))(h0, 0.7)
         g_got = jax.grad(loss(run(scan, **kw)), (0, 1))(h0, 0.7)
         assert _types(g_got) == _types(g_want)
-        _assert_tree_close(g_got, g_want, RTOL[dtype])
+        assert_trees_close(
+            g_got, g_want, tolerance(dtype), floor=0.0, exact_dtypes=True
+        )
 
 
 @pytest.mark.xfail(
@@ -1038,11 +1061,13 @@ def test_while_loop_keeps_weak_types_of_python_scalar_carries(
             got = run(kw)(h0, 0.7)
         assert seen == [mode]
         assert _types(got) == _types(want)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(None)), (0, 1))(h0, 0.7)
         g_got = jax.grad(loss(run(kw)), (0, 1))(h0, 0.7)
         assert _types(g_got) == _types(g_want)
-        _assert_tree_close(g_got, g_want, RTOL[dtype])
+        assert_trees_close(
+            g_got, g_want, tolerance(dtype), floor=0.0, exact_dtypes=True
+        )
 
 
 def _zero_step(c, x, w):
@@ -1096,11 +1121,13 @@ def test_zero_length_scan_behaves_as_lax_scan(dtype, with_xs, mode, step, kw):
             got = run(scan, **kw)(*args)
         assert seen == [mode]
         assert _types(got) == _types(want)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(lax.scan)), (0, 1, 2, 3))(*args)
         g_got = jax.grad(loss(run(scan, **kw)), (0, 1, 2, 3))(*args)
         assert _types(g_got) == _types(g_want)
-        _assert_tree_close(g_got, g_want, RTOL[dtype])
+        assert_trees_close(
+            g_got, g_want, tolerance(dtype), floor=0.0, exact_dtypes=True
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
@@ -1125,15 +1152,25 @@ def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
         with _modes_seen() as seen:
             got = run(**kw)(*args)
         assert seen == [mode]
-        _assert_tree_close(got, (args[0], args[1], jnp.asarray(0)), RTOL[dtype])
+        assert_trees_close(
+            got,
+            (args[0], args[1], jnp.asarray(0)),
+            tolerance(dtype),
+            floor=0.0,
+            exact_dtypes=True,
+        )
 
         def loss(a, m, w):
             a, m, _ = run(**kw)(a, m, w)
             return jnp.sum(jnp.sin(a)) + m**2
 
         g = jax.grad(loss, (0, 1, 2))(*args)
-        _assert_tree_close(
-            g, (jnp.cos(args[0]), 2 * args[1], jnp.zeros((), dtype)), RTOL[dtype]
+        assert_trees_close(
+            g,
+            (jnp.cos(args[0]), 2 * args[1], jnp.zeros((), dtype)),
+            tolerance(dtype),
+            floor=0.0,
+            exact_dtypes=True,
         )
 
 
@@ -1190,4 +1227,6 @@ def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_m
             with _modes_seen() as seen:
                 got = jax.grad(got_loss, (0, 1))(*args)
             assert seen == [mode]
-            _assert_tree_close(got, want, RTOL[dtype])
+            assert_trees_close(
+                got, want, tolerance(dtype), floor=0.0, exact_dtypes=True
+            )

@@ -27,7 +27,7 @@ import pytest
 import revnet
 from revnet import blocks
 from revnet._engine import jaxpr as jx
-from tests.helpers import RTOL, assert_trees_close
+from tests.helpers import assert_trees_close, tolerance
 
 FLAGS = ("jax_custom_vjp3", "jax_remat3", "jax_scan3")
 DTYPES = (jnp.float32, jnp.float64)
@@ -84,7 +84,7 @@ def sum_sq(tree):
 
 def check(fun, args, flag_name: str):
     """Values, inverse and gradients of ``invertible(fun)`` against plain JAX."""
-    rtol = RTOL[jnp.dtype(args[0].dtype)] * 10
+    rtol = tolerance(args[0].dtype) * 10
     inv = revnet.invertible(fun)
     out = fun(*args)
     assert_trees_close(inv(*args), out, rtol, "output")
@@ -211,7 +211,7 @@ def test_scan_under_scan3_against_unflagged_jax(dtype):
             got = jax.grad(lambda *a: sum_sq(f(*a)), argnums=(0, 1))(*args)
             with pytest.raises(NotImplementedError, match="vjp_fwd"):
                 jax.grad(loss)(*args)
-    assert_trees_close(got, want, RTOL[jnp.dtype(dtype)] * 10, "gradient")
+    assert_trees_close(got, want, tolerance(dtype) * 10, "gradient")
 
 
 def test_reverse_scan3_is_refused_with_the_reason():
@@ -291,7 +291,7 @@ def test_revnet_while_loop_under_flag(flag_name, dtype):
                 c = wbody(c)
             return jnp.sum(jnp.sin(c[1]))
 
-        rtol = RTOL[jnp.dtype(dtype)] * 10
+        rtol = tolerance(dtype) * 10
         assert_trees_close(jax.grad(looped)(x), jax.grad(unrolled)(x), rtol)
 
 
@@ -314,7 +314,7 @@ def test_revnet_scan_under_flag(reverse, flag_name, dtype):
         unflagged = jax.grad(run, argnums=(1, 2))(jax.lax.scan, x, w)
         with flag(flag_name):
             got = jax.grad(run, argnums=(1, 2))(revnet.scan, x, w)
-        rtol = RTOL[jnp.dtype(dtype)] * 10
+        rtol = tolerance(dtype) * 10
         assert_trees_close(got, unflagged, rtol, "gradient vs unflagged JAX")
         with flag(flag_name):
             want = plain_grad_or_skip(
@@ -396,6 +396,6 @@ def test_reversible_sequence_under_flag(reference, flag_name, dtype):
             y = rev.apply(params, x)
             if reference == "flagged":
                 want = plain_grad_or_skip(loss(twin), (params, x), flag_name)
-        rtol = RTOL[jnp.dtype(dtype)] * 10
+        rtol = tolerance(dtype) * 10
         assert_trees_close(y, twin.apply(params, x), rtol, "output")
         assert_trees_close(got, want, rtol, "gradient")

@@ -15,16 +15,13 @@ has size 2 or 4.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.slow  # 8-device subprocesses
+from tests.helpers import run_python
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # 8-device subprocesses
 
 _PRELUDE = textwrap.dedent(
     """
@@ -111,19 +108,10 @@ _PRELUDE = textwrap.dedent(
 
 def _run(body: str, prelude: str = _PRELUDE) -> str:
     """Runs ``body`` after ``prelude`` on 8 forced CPU devices; its stdout."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(body) + "\nprint('ok')\n"],
-        cwd=_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.rstrip().endswith("ok"), proc.stdout[-2000:]
-    return proc.stdout
+    code = prelude + textwrap.dedent(body) + "\nprint('ok')\n"
+    out = run_python("-c", code, devices=8, timeout=900)
+    assert out.rstrip().endswith("ok"), out[-2000:]
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -8,9 +8,6 @@ errors are relative L2 errors against float64 backprop; memory is the compiled
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import haiku as hk
@@ -22,7 +19,7 @@ import pytest
 import revnet
 from benchmarks import numerics
 from revnet import blocks
-from tests.helpers import assert_trees_close, cast_floats
+from tests.helpers import assert_trees_close, cast_floats, run_python, temp_bytes
 
 pytestmark = pytest.mark.slow  # depth-128 stacks and subprocesses
 
@@ -31,10 +28,6 @@ DEPTH = 128
 
 def _args():
     return numerics.Config()
-
-
-def _temp(fn, *args):
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def _inputs(args):
@@ -69,8 +62,8 @@ def test_anchor_every_16_at_depth_128(coupling):
         err_anchored = numerics.rel_error(g_anchored, ref)
         assert err_std > 0
         assert err_anchored <= 3 * err_std, (err_anchored, err_std)
-        temp_std = _temp(_grad_fn(std), params, x, c)
-        temp_anchored = _temp(_grad_fn(anchored), params, x, c)
+        temp_std = temp_bytes(_grad_fn(std), params, x, c)
+        temp_anchored = temp_bytes(_grad_fn(anchored), params, x, c)
     assert temp_anchored <= temp_std / 8, (temp_anchored, temp_std)
 
 
@@ -109,7 +102,7 @@ def test_anchor_every_one_holds_one_activation_per_layer():
             net, _ = numerics.model("additive", depth, args, **kw)
             params = jax.jit(net.init)(jax.random.PRNGKey(0), x)
             with jax.enable_x64(True):  # the experiment's float64 loss
-                temps.append(_temp(_grad_fn(net), params, x, c))
+                temps.append(temp_bytes(_grad_fn(net), params, x, c))
         return temps[1] - temps[0]
 
     assert growth(reversible=True) == 0
@@ -302,15 +295,5 @@ _EIGHT_DEVICES = textwrap.dedent(
 
 
 def test_anchors_in_a_data_parallel_run_on_8_devices():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("ok ")
+    out = run_python("-c", _EIGHT_DEVICES, devices=8, timeout=600)
+    assert out.startswith("ok "), out[-2000:]

@@ -18,7 +18,7 @@ import pytest
 
 from revnet import blocks
 from tests.blocks.descriptors import affine
-from tests.blocks.helpers import compiled
+from tests.blocks.helpers import compiled, flop_count, temp_size
 from tests.helpers import runtime_checks
 
 
@@ -95,7 +95,7 @@ def train_step(model, depth: int, reversible: bool):
 
 
 def temp(model, depth, reversible):
-    return train_step(model, depth, reversible).memory_analysis().temp_size_in_bytes
+    return temp_size(train_step(model, depth, reversible))
 
 
 @pytest.mark.parametrize(
@@ -114,9 +114,7 @@ def test_activation_memory_is_flat_in_depth(model, depths):
 
 
 def flop_ratio(model, depth):
-    rev, std = (
-        train_step(model, depth, r).cost_analysis()["flops"] for r in (True, False)
-    )
+    rev, std = (flop_count(train_step(model, depth, r)) for r in (True, False))
     return rev / std
 
 
@@ -157,7 +155,7 @@ def test_unrolled_chain_flops_within_limit():
 
         with runtime_checks(False):
             step = compiled(jax.grad(loss), params, state, x)
-        return step.cost_analysis()["flops"]
+        return flop_count(step)
 
     ratio = step_flops(True) / step_flops(False)
     print(f"unrolled chain: FLOP ratio {ratio:.3f}")

@@ -19,6 +19,7 @@ import textwrap
 
 import pytest
 
+from tests.helpers import run_python
 from tests.test_sharding import _PRELUDE, _run
 
 pytestmark = pytest.mark.slow  # 8-device subprocesses
@@ -27,7 +28,7 @@ _MESH_PRELUDE = _PRELUDE + textwrap.dedent(
     """
     import haiku as hk
     from revnet import blocks
-    from tests.helpers import RTOL, assert_trees_close
+    from tests.helpers import assert_trees_close, temp_size, tolerance
 
     MESHES = {"auto": AUTO, "explicit": EXPLICIT}
     TRANSFORMER_AXES = {"embed": "data", "heads": "model", "mlp": "model"}
@@ -49,7 +50,7 @@ _MESH_PRELUDE = _PRELUDE + textwrap.dedent(
     def check_model(name, make, x, rules, axes, mode, dtype):
         '''make(reversible, activation_sharding) -> hk.transform_with_state.'''
         mesh = MESHES[mode]
-        rtol = RTOL[jnp.dtype(dtype)]
+        rtol = tolerance(dtype)
         x = x.astype(dtype)
         params, state = jax.jit(make(True, None).init)(jax.random.key(0), x)
         (want_loss, want_state), want = step(make(False, None))(params, state, x)
@@ -154,7 +155,7 @@ def test_revnet_memory_is_flat_in_depth_per_device():
                 )
                 xs = jax.device_put(x, NamedSharding(mesh, P("data")))
                 compiled = step(net).lower(params, state, xs).compile()
-            temps[units, rev] = compiled.memory_analysis().temp_size_in_bytes
+            temps[units, rev] = temp_size(compiled)
         print(mode, temps)
         # 4 to 32 units: flat within 5%. Unsharded the figure is equal to the
         # byte; with sharded stacked parameters XLA's buffer assignment moves
@@ -244,27 +245,15 @@ def test_partition_rules():
 
 
 def test_example_smoke():
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.run(
-        [sys.executable, "examples/sharded_training.py", "--smoke", "--devices", "8"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    out = run_python(
+        "examples/sharded_training.py", "--smoke", "--devices", "8", devices=None
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [
         float(line.split("loss")[1].split()[0])
-        for line in proc.stdout.splitlines()
+        for line in out.splitlines()
         if line.startswith("step")
     ]
-    assert len(losses) >= 3, proc.stdout
+    assert len(losses) >= 3, out
     assert all(loss == loss and abs(loss) < 1e6 for loss in losses), losses
     assert losses[-1] < losses[0], losses
 

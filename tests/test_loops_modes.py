@@ -29,9 +29,8 @@ from jax import lax
 from revnet import NotInvertibleError, loops
 from revnet._engine import choose, revolve
 from revnet.loops import scan, while_loop
-from tests.helpers import UNDER_CUSTOM_VJP3, assert_trees_close
+from tests.helpers import UNDER_CUSTOM_VJP3, assert_trees_close, temp_bytes, tolerance
 
-RTOL = {jnp.float32: 2e-5, jnp.float64: 1e-10}
 KINDS = ("leapfrog", "leapfrog_max", "damped")
 
 
@@ -103,13 +102,6 @@ def _unrolled(kind, p, c, n, xs=None):
 
 def _while_ref(kind, p, c, n):
     return _readout(_unrolled(kind, p, c, n)[0])
-
-
-def _assert_tree_close(got, want, rtol):
-    """Leaf by leaf, elementwise, relative to each leaf's largest value."""
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        assert g.dtype == w.dtype, (g.dtype, w.dtype)
-    assert_trees_close(got, want, rtol, what="gradient", floor=0.0)
 
 
 @contextlib.contextmanager
@@ -204,7 +196,14 @@ def test_while_gradients_equal_the_unrolled_loop(kind, kw, dtype):
         loss = functools.partial(_while, kind, max_steps=40, **kw)
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(p, c, n)
         want = jax.value_and_grad(functools.partial(_while_ref, kind), (0, 1))(p, c, n)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(
+            got,
+            want,
+            tolerance(dtype, loops=True),
+            "gradient",
+            floor=0.0,
+            exact_dtypes=True,
+        )
 
 
 def _scan_loss(kind, p, c, xs, **kw):
@@ -234,7 +233,14 @@ def test_scan_gradients_equal_the_unrolled_loop(kind, kw, reverse, dtype):
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(p, c, xs)
         ref = functools.partial(_scan_ref, kind, reverse=reverse)
         want = jax.value_and_grad(ref, argnums=(0, 1, 2))(p, c, xs)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(
+            got,
+            want,
+            tolerance(dtype, loops=True),
+            "gradient",
+            floor=0.0,
+            exact_dtypes=True,
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
@@ -259,7 +265,14 @@ def test_vmap_with_per_element_trip_counts(kind, dtype):
             )
 
         want = jax.value_and_grad(ref, argnums=(0, 1))(p, c)
-        _assert_tree_close(got, want, RTOL[dtype])
+        assert_trees_close(
+            got,
+            want,
+            tolerance(dtype, loops=True),
+            "gradient",
+            floor=0.0,
+            exact_dtypes=True,
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -364,10 +377,6 @@ def test_checkpointed_backward_evaluations_follow_steps_taken():
     )
 
 
-def _temp(fun, *args):
-    return jax.jit(fun).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
 def test_checkpointed_memory_does_not_depend_on_max_steps():
     p = _params(jnp.float32, d=64)
     z = _init("damped", jnp.float32, batch=(16,), d=64)
@@ -377,7 +386,7 @@ def test_checkpointed_memory_does_not_depend_on_max_steps():
             lambda z: _while("damped", p, z, 37, max_steps=max_steps, checkpoints=8)
         )
 
-    small, large = _temp(grad_of(1_000), z), _temp(grad_of(100_000), z)
+    small, large = temp_bytes(grad_of(1_000), z), temp_bytes(grad_of(100_000), z)
     assert small == large, (small, large)
     # And the snapshots are what it holds: 8 carries of 16 x 64 float32.
     assert small >= 8 * 16 * 64 * 4
@@ -404,7 +413,7 @@ def _stored_growth(d: int, k: int) -> int:
             out = while_loop(lambda s: s[3] < 9, body, c, max_steps=max_steps)
             return _readout(out[:3])
 
-        return _temp(jax.grad(loss, argnums=(0, 1)), q, v)
+        return temp_bytes(jax.grad(loss, argnums=(0, 1)), q, v)
 
     with _modes_chosen() as seen:
         growth = temp(2048) - temp(1024)
@@ -530,7 +539,7 @@ def test_a_checkpointed_lax_scan_grows_with_max_steps_where_revnet_does_not():
 
         return jax.grad(loss)
 
-    assert _temp(bounded(4096), z) > 3 * _temp(bounded(1024), z)
+    assert temp_bytes(bounded(4096), z) > 3 * temp_bytes(bounded(1024), z)
 
 
 # --------------------------------------------------------------------------- #

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import revnet
 from revnet._engine import registry
-from tests.helpers import RTOL, assert_trees_close, cotangents_like
+from tests.helpers import assert_trees_close, cotangents_like, tolerance
 
 
 def _registered_rule_names() -> set[str]:
@@ -272,7 +272,7 @@ def _check(fn: Callable, needs, domain: str, w_shape, dtype: str, mesh=None) -> 
             return want, got, back
 
         (want, ys), (got, rev_ys), back = run(x, w)
-        rtol = RTOL[dt]
+        rtol = tolerance(dt)
         assert_trees_close(rev_ys, ys, rtol, "output")
         assert_trees_close(back, (x,), rtol, "inverse")
         assert_trees_close(got, want, rtol, "gradients (x, w)")
