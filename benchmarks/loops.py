@@ -29,6 +29,8 @@ is an argument of the compiled program, so one program per (body, method,
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,23 +62,19 @@ def loop(cond, body, carry, max_steps: int, checkpoint: bool = False):
     return while_loop(cond, body, carry, max_steps=max_steps, mode=mode)
 
 
-def init_mlp(key: jax.Array, width: int) -> Params:
-    """Parameters of the learned part of the potential, a 2-layer tanh MLP."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    return {
-        "w1": jax.random.normal(k1, (2, width)) / np.sqrt(2.0),
-        "b1": jnp.zeros(width),
-        "w2": jax.random.normal(k2, (width, width)) / np.sqrt(width),
-        "b2": jnp.zeros(width),
-        "w3": 0.1 * jax.random.normal(k3, (width,)) / np.sqrt(width),
-    }
+def _example() -> Any:
+    """``examples/while_loop.py`` as a module: the sweep measures its model."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "while_loop.py")
+    spec = importlib.util.spec_from_file_location("_while_loop_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def potential(params: Params, q: jax.Array) -> jax.Array:
-    """The model's potential at one position ``q`` (shape ``(2,)``)."""
-    h = jnp.tanh(q @ params["w1"] + params["b1"])
-    h = jnp.tanh(h @ params["w2"] + params["b2"])
-    return 0.5 * jnp.sum(q**2) + h @ params["w3"]
+# The learned potential ``|q|^2/2 + MLP(q)`` and its parameters.
+_EXAMPLE = _example()
+init_mlp, potential = _EXAMPLE.init_mlp, _EXAMPLE.potential
 
 
 def leapfrog(force: Callable[[jax.Array], jax.Array], dt: float):
