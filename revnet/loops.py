@@ -239,7 +239,7 @@ def while_loop(
     rebuilt = [False] * nk + [True] * len(leaves)
     if expose(body_jaxpr, rebuilt, decisions=decisions, kinks=kinks).n:
         # Decisions on the carry: only checkpointing makes them again exactly.
-        if mode != "auto":
+        if mode in ("invert", "store"):
             raise ValueError(
                 f"while_loop: {bname} makes decisions on the carry (comparisons, "
                 "argmax, round, ...) that a while loop cannot store per step; use "

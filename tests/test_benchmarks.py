@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from benchmarks import BENCHMARKS, measure, models, overhead, run
-from tests.helpers import RTOL, assert_trees_close
+from tests.helpers import assert_trees_close, tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRIES = ("memory", "speed", "numerics", "loops", "loop_compare", "overhead")
@@ -139,7 +139,7 @@ def test_hand_written_backward_equals_autodiff(dtype):
         want = jax.grad(overhead.loss_of("standard"), (0, 1))(params, x)
         for method in overhead.METHODS:
             got = jax.jit(overhead.grad_of(method))(params, x)
-            assert_trees_close(got, want, RTOL[jnp.dtype(dtype)], method)
+            assert_trees_close(got, want, tolerance(dtype), method)
 
 
 # ----------------------------------------------------------------- slow tests
