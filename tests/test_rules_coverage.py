@@ -10,8 +10,11 @@ Two tables drive the tests:
 * ``_STRUCTURAL`` holds programs built from the constructs the analysis handles
   structurally (``select_n``, covering slices + ``concatenate``, nested
   ``jit``, ``jax.checkpoint``, ``custom_jvp``, ``custom_vjp``, ``lax.scan``,
-  ``revnet.scan``). Each runs on its own, inside
-  ``jnp.where(mask, program(x), 2 * x)`` and inside a ``lax.scan`` body.
+  ``revnet.scan``). Each runs on its own and, when its output is an array
+  shaped like its input, inside ``jnp.where(mask, program(x), 2 * x)`` and
+  inside a ``lax.scan`` body.
+* A rule or construct may have further cases (``_RULE_CASES`` names them
+  ``rule:variant``): other operands unknown, literals, other parameters.
 * Every elementwise rule's case also runs inside ``jnp.where``, so that the
   analysis's notion of "elementwise" cannot drift from the registry.
 
@@ -84,10 +87,22 @@ class _Case:
     w_shape: tuple[int, ...] = SHAPE
     dtypes: tuple[str, ...] = ("float32", "float64")
     mesh: Callable[[], object] | None = None  # a mesh to set around the run
+    slow: tuple[str, ...] = ()  # the dtypes it runs in only in the slow tier
 
 
-def _unary(prim: str, fn: Callable, domain: str = "real") -> _Case:
-    return _Case(lambda x, w: fn(x * _s(w)), (prim,), domain)
+def _unary(prim: str, fn: Callable, domain: str = "real", **kw) -> _Case:
+    return _Case(lambda x, w: fn(x * _s(w)), (prim,), domain, **kw)
+
+
+def _rule_name(case_name: str) -> str:
+    """The rule a case of ``_RULE_CASES`` is for: its name up to a ``:``."""
+    return case_name.split(":")[0]
+
+
+# Further cases of a rule (named ``rule:variant``) run in the slow tier, in
+# float32 too when they are not already in the fast tier.
+_SLOW = ("float32", "float64")
+_SLOW_F64 = ("float64",)
 
 
 # Sharding rules on this process's one device: a one-device mesh (the rules on
@@ -111,13 +126,25 @@ def _per_device(fn: Callable, x_spec=_SPLIT) -> Callable:
 
 
 _RULE_CASES: dict[str, _Case] = {
-    # Arithmetic.
+    # Arithmetic (a further case solves the other operand, or has a literal).
     "add": _Case(lambda x, w: x + w, ("add",)),
     "add_any": _Case(lambda x, w: primitives.add_jaxvals_p.bind(x, w), ("add_any",)),
+    "add:known_left": _Case(lambda x, w: w + (2.0 - x), ("add", "sub"), slow=_SLOW),
     "sub": _Case(lambda x, w: w - x, ("sub",)),
+    "sub:unknown_left": _Case(
+        lambda x, w: -(x * _s(w) + 1.5) - 0.5,
+        ("mul", "add", "neg", "sub"),
+        slow=_SLOW_F64,
+    ),
     "neg": _Case(lambda x, w: -(x * _s(w)), ("neg",)),
     "mul": _Case(lambda x, w: x * (1.5 + jnp.tanh(w)), ("mul",)),
     "div": _Case(lambda x, w: (1.5 + jnp.tanh(w)) / x, ("div",), "nonzero"),
+    "div:literal_numerator": _Case(
+        lambda x, w: 2.0 / (jnp.exp(x * _s(w)) + 1.0), ("exp", "div"), slow=_SLOW
+    ),
+    "div:unknown_numerator": _Case(
+        lambda x, w: (x * _s(w) * 3.0) / 4.0, ("mul", "div"), slow=_SLOW_F64
+    ),
     # Elementwise bijections.
     "exp": _unary("exp", jnp.exp),
     "exp2": _unary("exp2", jnp.exp2),
@@ -135,7 +162,13 @@ _RULE_CASES: dict[str, _Case] = {
     "erf_inv": _unary("erf_inv", jax.scipy.special.erfinv, "unit"),
     "copy": _unary("copy", lambda v: jnp.array(v, copy=True)),
     "integer_pow": _unary("integer_pow", lambda v: v**3, "nonzero"),
+    "integer_pow:negative_odd": _unary(
+        "integer_pow", lambda v: (jnp.exp(v) + 1.0) ** -3, slow=_SLOW
+    ),
     "cumsum": _unary("cumsum", lambda v: jnp.cumsum(v, axis=0)),
+    "cumsum:reverse": _unary(
+        "cumsum", lambda v: lax.cumsum(v, axis=1, reverse=True), slow=_SLOW
+    ),
     # A widening conversion; float64 has no wider float type to widen to.
     "convert_element_type": _Case(
         lambda x, w: (x * _s(w)).astype(jnp.float64),
@@ -145,18 +178,39 @@ _RULE_CASES: dict[str, _Case] = {
     # Shape and layout.
     "reshape": _unary("reshape", lambda v: v.reshape(3, 8)),
     "squeeze": _unary("squeeze", lambda v: jnp.squeeze(v[None], 0)),
+    "squeeze:two_axes": _Case(
+        lambda x, w: jnp.squeeze(x[None, :, None, :], (0, 2)) * _s(w),
+        ("broadcast_in_dim", "squeeze"),
+        slow=_SLOW,
+    ),
     "broadcast_in_dim": _unary(
         "broadcast_in_dim", lambda v: lax.broadcast_in_dim(v, (1, *SHAPE), (1, 2))
     ),
     "transpose": _unary("transpose", lambda v: v.T),
+    # A permutation that is not its own inverse.
+    "transpose:3d": _Case(
+        lambda x, w: jnp.transpose((x * _s(w)).reshape(3, 2, 4), (2, 0, 1)),
+        ("reshape", "transpose"),
+        slow=_SLOW,
+    ),
     "rev": _unary("rev", lambda v: jnp.flip(v, 0)),
     "concatenate": _Case(
         lambda x, w: jnp.concatenate([x * _s(w), jnp.tanh(w)], axis=0),
         ("concatenate",),
     ),
+    # Two unknown pieces, one of them empty.
+    "concatenate:empty_piece": _Case(
+        lambda x, w: jnp.concatenate([x * _s(w) * 2.0, x[:0]], axis=0),
+        ("slice", "concatenate"),
+        slow=_SLOW,
+    ),
     "split": _unary("split", lambda v: tuple(jnp.split(v, [1, 3], axis=0))),
     "select_n": _Case(
         lambda x, w: jnp.where(w > 0, x * 2.0, jnp.exp(x)), ("select_n",)
+    ),
+    # One case is the input itself.
+    "select_n:conditional_update": _Case(
+        lambda x, w: jnp.where(_MASK, x, x - 3.0 * _s(w)), ("select_n",), slow=_SLOW
     ),
     # Sharding: identity-like primitives and collectives.
     "sharding_constraint": _Case(
@@ -191,6 +245,12 @@ _RULE_CASES: dict[str, _Case] = {
         lambda x, w: x @ (jnp.eye(6, dtype=w.dtype) + 0.1 * w),
         ("dot_general",),
         w_shape=(6, 6),
+    ),
+    "dot_general:unknown_right": _Case(
+        lambda x, w: (jnp.eye(4, dtype=w.dtype) + 0.1 * w) @ x,
+        ("dot_general",),
+        w_shape=(4, 4),
+        slow=_SLOW_F64,
     ),
 }
 
@@ -281,10 +341,15 @@ def _check(fn: Callable, needs, domain: str, w_shape, dtype: str, mesh=None) -> 
 DTYPES = ("float32", "float64")
 
 
-@pytest.mark.parametrize(
-    "name,dtype",
-    [(n, d) for n in sorted(_RULE_CASES) for d in _RULE_CASES[n].dtypes],
-)
+def _rule_params():
+    for name in sorted(_RULE_CASES):
+        case = _RULE_CASES[name]
+        for dtype in case.dtypes:
+            marks = [pytest.mark.slow] if dtype in case.slow else []
+            yield pytest.param(name, dtype, marks=marks)
+
+
+@pytest.mark.parametrize("name,dtype", _rule_params())
 def test_registered_rule(name, dtype):
     case = _RULE_CASES[name]
     _check(case.fn, case.needs, case.domain, case.w_shape, dtype, case.mesh)
@@ -306,11 +371,14 @@ def test_every_registered_rule_has_a_case():
     # those that name no primitive of this JAX cannot appear in a program.
     live = _live_primitive_names()
     structural = {n for n in registry.names() if registry.get(n).structural}
-    covered = set(_RULE_CASES) | {n for _, needs in _STRUCTURAL.values() for n in needs}
+    rules = {_rule_name(n) for n in _RULE_CASES}
+    covered = rules | {n for _, needs in _STRUCTURAL.values() for n in needs}
     wanted = _registered_rule_names() | (structural & live)
     assert not wanted - covered, f"rules without a case: {sorted(wanted - covered)}"
-    stale = set(_RULE_CASES) - set(registry.names())
+    stale = rules - set(registry.names())
     assert not stale, f"cases without a rule: {sorted(stale)}"
+    unchecked = [n for n, c in _RULE_CASES.items() if _rule_name(n) not in c.needs]
+    assert not unchecked, f"cases that do not check their rule occurs: {unchecked}"
 
 
 def _made_primitive_names() -> set[str]:
@@ -414,6 +482,46 @@ _STRUCTURAL: dict[str, tuple[Callable, tuple[str, ...]]] = {
         _per_device(lambda x, w: x * _s(w) + w),
         ("shard_map",),
     ),
+    # Slices as outputs: halves, and tiles cut along both axes.
+    "slices_halves": (
+        lambda x, w: (x[..., :2], jnp.exp(x[..., 2:] * _s(w[..., 2:]))),
+        ("slice",),
+    ),
+    "slices_tile": (
+        lambda x, w: (x[:2] * _s(w[:2]), x[2:, :1], x[2:, 1:] + 1.0),
+        ("slice",),
+    ),
+    # A reversed scan with outputs besides its carry.
+    "lax_scan_reverse_with_ys": (
+        lambda x, w: lax.scan(
+            lambda c, v: (c * 0.5 - v, jnp.sum(c)), x, _two_steps(w), reverse=True
+        ),
+        ("scan",),
+    ),
+    # The input as the scanned-over values, with a carry that does not depend
+    # on it.
+    "lax_scan_unknown_xs": (
+        lambda x, w: lax.scan(
+            lambda c, xw: (c, jnp.exp(xw[0] * _s(xw[1]))),
+            jnp.zeros((), x.dtype),
+            (x, w),
+        )[1],
+        ("scan",),
+    ),
+}
+# The contexts of the programs that are not an array shaped like the input.
+_STRUCTURAL_CONTEXTS = {
+    "slices_halves": ("alone",),
+    "slices_tile": ("alone",),
+    "lax_scan_reverse_with_ys": ("alone",),
+}
+# Further cases of a construct run in the slow tier, in float32 too when they
+# are not already in the fast tier.
+_STRUCTURAL_SLOW = {
+    "slices_halves": ("float64",),
+    "slices_tile": DTYPES,
+    "lax_scan_reverse_with_ys": DTYPES,
+    "lax_scan_unknown_xs": DTYPES,
 }
 
 
@@ -447,15 +555,24 @@ _KNOWN_DEFECTS = {
         reason="known limitation: select_n does not follow a case into a "
         "shard_map's per-device body",
     ),
+    ("lax_scan_unknown_xs", "in_where"): pytest.mark.xfail(
+        strict=True,
+        raises=revnet.NotInvertibleError,
+        reason="known limitation: select_n does not follow a case through a "
+        "scan over it as the scanned-over values",
+    ),
 }
 
 
 def _structural_params():
     for name in sorted(_STRUCTURAL):
-        for context in _CONTEXTS:
+        for context in _STRUCTURAL_CONTEXTS.get(name, tuple(_CONTEXTS)):
             for dtype in DTYPES:
                 mark = _KNOWN_DEFECTS.get((name, context))
-                yield pytest.param(name, context, dtype, marks=[mark] if mark else [])
+                marks = [mark] if mark else []
+                if dtype in _STRUCTURAL_SLOW.get(name, ()):
+                    marks.append(pytest.mark.slow)
+                yield pytest.param(name, context, dtype, marks=marks)
 
 
 @pytest.mark.parametrize("name,context,dtype", _structural_params())
