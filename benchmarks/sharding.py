@@ -195,9 +195,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.worker:
         print(json.dumps(measure_rows(depths, args.collectives_depth)))
         return {}
-    env = dict(
-        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}"
-    )
+    flags = f"{os.environ.get('XLA_FLAGS', '')} "
+    flags += f"--xla_force_host_platform_device_count={DEVICES}"
+    env = dict(os.environ, XLA_FLAGS=flags)
     command = [sys.executable, "-m", "benchmarks.sharding", "--worker", "--depths"]
     command += [str(d) for d in depths]
     command += ["--collectives-depth", str(args.collectives_depth)]

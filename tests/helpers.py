@@ -152,13 +152,22 @@ def flops(fn, *args) -> float:
     return flop_count(compiled(fn, *args))
 
 
+# Forced CPU devices are threads: on a loaded 2-core machine a collective's
+# participants can take longer than XLA:CPU's default 40 s to meet, and XLA
+# then aborts the process. Subprocess tests give them 10 minutes.
+COLLECTIVE_PATIENCE = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600 "
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+)
+
+
 def run_python(*argv: str, devices: int | None = 8, timeout: float = 900) -> str:
     """Runs ``python *argv`` in a fresh interpreter at the repository root, with
     ``devices`` forced CPU devices (None: JAX's default); asserts that it exits
     0 and returns its stdout. ``run_python("-c", code)`` runs a snippet."""
-    env = dict(os.environ)
+    env = dict(os.environ, XLA_FLAGS=COLLECTIVE_PATIENCE)
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, *argv],

@@ -32,7 +32,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import assert_trees_close
+from tests.helpers import COLLECTIVE_PATIENCE, assert_trees_close
 
 pytestmark = pytest.mark.slow  # multi-process runs
 
@@ -229,7 +229,7 @@ def _launch(tmp_path, runs, limit: float) -> list[str]:
     script.write_text(_WORKER)
     env = dict(os.environ, PYTHONPATH=_ROOT, REVNET_RUNTIME_CHECKS="1")
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COLLECTIVE_PATIENCE
     procs, logs = [], []
     try:
         for n, (pid, nproc, mode, mesh_kind, port) in enumerate(runs):

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import run_python
+from tests.helpers import COLLECTIVE_PATIENCE, run_python
 from tests.test_sharding import _PRELUDE, _run
 
 pytestmark = pytest.mark.slow  # 8-device subprocesses
@@ -258,9 +258,10 @@ def test_example_smoke():
     assert losses[-1] < losses[0], losses
 
 
-def test_benchmark_memory_flat_and_collectives_bounded(tmp_path):
+def test_benchmark_memory_flat_and_collectives_bounded(tmp_path, monkeypatch):
     from benchmarks import sharding
 
+    monkeypatch.setenv("XLA_FLAGS", COLLECTIVE_PATIENCE)  # for its subprocess
     flags = ["--depths", "4", "32", "--collectives-depth", "4", "--out", str(tmp_path)]
     rows = sharding.main(flags)["rows"]
     temp = {(r["method"], r["mode"], r["depth"]): r["temp_bytes"] for r in rows}
