@@ -1,8 +1,9 @@
 """Coupling layers: the invertible building blocks of reversible networks.
 
 Both couplings split the last axis into two halves and are plain ``jnp`` code
-around their residual functions. The residual functions are ordinary Haiku
-code, lifted into pure functions of explicit parameters, state and RNG keys
+around their residual functions (the arithmetic every front door shares, in
+``revnet/_couplings.py``). The residual functions are ordinary Haiku code,
+lifted into pure functions of explicit parameters, state and RNG keys
 (see ``_lift.py``), so that the couplings' :meth:`inverse` methods can hand the
 very same forward computation to :func:`revnet.inverse`. Inside a
 :class:`~revnet.blocks.ReversibleSequence` the core inverts a coupling like any
@@ -17,9 +18,9 @@ from typing import Any
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 
-import revnet
+from revnet import _couplings
+from revnet._block_checks import check_splittable
 from revnet._checks import (
     check_bool,
     check_callable,
@@ -27,26 +28,10 @@ from revnet._checks import (
     check_float_dtype,
     check_real,
 )
-from revnet.blocks._block_checks import check_name, check_output, check_splittable
 from revnet.blocks._lift import Lifted
+from revnet.blocks._names import check_name
 
-_EXPECTED = "[batch, ..., 2 * half_channels]"
-
-
-def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Splits the last axis of ``x`` into two equal halves.
-
-    One ``split`` rather than two slices: its inverse and its VJP are one
-    concatenation, where the slices' VJPs are a sum of two pads, which XLA
-    schedules worse in unrolled chains of blocks (memory that grows with depth).
-    """
-    a, b = jnp.split(x, 2, axis=-1)
-    return a, b
-
-
-def join_halves(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Concatenates two halves along the last axis."""
-    return jnp.concatenate([a, b], axis=-1)
+_EXPECTED = _couplings.EXPECTED[1]
 
 
 def rng_keys(num: int) -> tuple[jax.Array | None, ...]:
@@ -59,12 +44,6 @@ def rng_keys(num: int) -> tuple[jax.Array | None, ...]:
     if key is None:
         return (None,) * num
     return tuple(jax.random.split(key, num))
-
-
-def invert(forward: Callable[[jax.Array], jax.Array], y: jax.Array) -> jax.Array:
-    """Runs the shape-preserving pure function ``forward`` backwards from ``y``."""
-    (x,) = revnet.inverse(forward, y)(y)
-    return x
 
 
 class AdditiveCoupling(hk.Module):
@@ -134,13 +113,12 @@ class AdditiveCoupling(hk.Module):
         f, g = self._f.apply, self._g.apply
 
         def additive_coupling(h):
-            h1, h2 = split_halves(h)
-            fx, new_sf = f(pf, sf, kf, h2)
-            check_output(module, "f", fx, h1.shape)
-            y1 = h1 + fx
-            gy, new_sg = g(pg, sg, kg, y1)
-            check_output(module, "g", gy, h2.shape)
-            return join_halves(y1, h2 + gy), (new_sf, new_sg)
+            return _couplings.additive(
+                lambda u: f(pf, sf, kf, u),
+                lambda u: g(pg, sg, kg, u),
+                h,
+                name=module,
+            )
 
         return additive_coupling
 
@@ -165,7 +143,7 @@ class AdditiveCoupling(hk.Module):
           TypeError: If ``y`` is not floating point.
         """
         forward = self._forward(y)
-        return invert(lambda h: forward(h)[0], y)
+        return _couplings.invert(lambda h: forward(h)[0], y)
 
 
 class AffineCoupling(hk.Module):
@@ -248,7 +226,7 @@ class AffineCoupling(hk.Module):
         super().__init__(name=name)
         module = self.module_name
         check_callable(module, "net", net)
-        scale = check_choice(module, "scale", scale, ("sigmoid", "tanh", "exp"))
+        scale = check_choice(module, "scale", scale, _couplings.SCALES)
         if scale_bound is not None:
             scale_bound = check_real(
                 module,
@@ -283,18 +261,13 @@ class AffineCoupling(hk.Module):
         net, kind, bound = self._net.apply, self.scale, self.scale_bound
 
         def affine_coupling(h):
-            h1, h2 = split_halves(h)
-            out, new_state = net(params, state, key, h1)
-            check_output(module, "net", out, h1.shape[:-1] + (2 * h2.shape[-1],))
-            raw, t = split_halves(out)
-            if kind == "sigmoid":
-                a = 0.5 + jax.nn.sigmoid(raw)
-                log_a = jnp.log(a)
-            else:
-                log_a = bound * jnp.tanh(raw / bound) if kind == "tanh" else raw
-                a = jnp.exp(log_a)
-            log_det = jnp.sum(log_a.reshape(log_a.shape[0], -1), axis=-1)
-            return (join_halves(h1, h2 * a + t), log_det), new_state
+            return _couplings.affine(
+                lambda u: net(params, state, key, u),
+                h,
+                scale_kind=kind,
+                scale_bound=bound,
+                name=module,
+            )
 
         return affine_coupling
 
@@ -334,4 +307,4 @@ class AffineCoupling(hk.Module):
           TypeError: If ``y`` is not floating point.
         """
         forward = self._forward(y)
-        return invert(lambda h: forward(h)[0][0], y)
+        return _couplings.invert(lambda h: forward(h)[0][0], y)

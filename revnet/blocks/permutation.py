@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from revnet._block_checks import check_input
 from revnet._checks import check_choice, check_int
-from revnet.blocks._block_checks import check_input, check_name
+from revnet.blocks._names import check_name
 
 
 def space_to_depth(x: jax.Array, factor: int) -> jax.Array:

@@ -7,9 +7,10 @@ equation by equation: plain ``jnp`` code and ordinary Haiku modules
 
 The block's ``init``/``apply`` are lifted out of Haiku (``_lift.py``): one
 independently initialised copy of its parameters and state per layer, stacked
-on a leading axis as ``hk.layer_stack`` does. The layers then run in a
-``lax.scan`` over that axis inside ONE :func:`revnet.invertible` function, which
-closes over the parameters, the state and one RNG key per layer. The core saves
+on a leading axis as ``hk.layer_stack`` does. The framework-free stack
+(``revnet/_stack.py``, shared with the other front doors) then runs the layers
+in a ``lax.scan`` over that axis inside ONE :func:`revnet.invertible` function,
+which closes over the parameters, the state and one RNG key per layer. The core saves
 only the stack's outputs and builds one reverse scan for the backward pass that
 rebuilds each layer's input from its output while it computes the cotangents,
 so activation memory and compile time do not grow with depth. New state
@@ -30,10 +31,12 @@ import jax
 import numpy as np
 
 import revnet
+from revnet._block_checks import check_anchors, check_input
 from revnet._checks import check_bool, check_callable, check_int, check_sharding, fail
 from revnet._engine import show
-from revnet.blocks._block_checks import check_anchors, check_input, check_name
+from revnet._stack import invert_stack, run_stack
 from revnet.blocks._lift import Lifted, PureApply
+from revnet.blocks._names import check_name
 from revnet.blocks.sharding import constrain, sharded_layer
 
 BlockFn = Callable[..., jax.Array]
@@ -48,26 +51,11 @@ def _check_static(module: str, args: Any) -> None:
             )
 
 
-def _shape_preserving(
-    module: str, apply: PureApply, args: tuple, kwargs: dict, reversible: bool
-) -> PureApply:
-    """``apply`` with the block's static arguments, checking its output."""
+def _with_args(apply: PureApply, args: tuple, kwargs: dict) -> PureApply:
+    """``apply`` with the block's static extra arguments."""
 
     def layer(params, state, key, h):
-        y, new_state = apply(params, state, key, h, *args, **kwargs)
-        if y.shape != h.shape or y.dtype != h.dtype:
-            raise ValueError(
-                f"{module}: each block must preserve its input's shape and dtype; "
-                f"got {h.shape} {h.dtype} -> {y.shape} {y.dtype}."
-            )
-        if reversible and jax.tree.leaves(new_state):
-            # New state is a result of the forward pass only. The barrier (an
-            # identity that has no inverse rule) keeps the inversion from
-            # solving the statistics' update backwards for batch statistics,
-            # which would keep every layer's new state alive for the backward
-            # pass even when the caller drops it.
-            new_state = jax.lax.optimization_barrier(new_state)
-        return y, new_state
+        return apply(params, state, key, h, *args, **kwargs)
 
     return layer
 
@@ -209,80 +197,45 @@ class ReversibleSequence(hk.Module):
         # for running the same blocks another way, such as a plain-Haiku loop.
         self.block_fns = (block_fn,) if self._stacked else tuple(block_fns)
 
-    def _stack(
-        self, x: Any, args: tuple, kwargs: dict, anchored: bool = False
-    ) -> Callable[..., Any]:
-        """The pure function ``h -> (y, new_states)`` of the whole stack.
-
-        It closes over the parameters, the state and one RNG key per layer,
-        fetched (or created, at init) here. ``anchored``: the layers run in a
-        :func:`revnet.scan` with this module's anchors, a custom VJP of its own.
-        """
+    def _layers(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """The layer function(s) and per-layer parameters, state and keys of
+        :func:`revnet._stack.run_stack`, fetched (or created, at init) here."""
         module = self.module_name
         check_input(module, x, min_rank=1, expected="[batch, ...]")
         _check_static(module, (args, kwargs))
         pairs = [fn.params_and_state(x, *args, **kwargs) for fn in self._lifted]
-        params, states = (tuple(p) for p in zip(*pairs, strict=True))
         key = hk.maybe_next_rng_key()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         layers = [
-            sharded_layer(
-                _shape_preserving(module, fn.apply, args, kwargs, self.reversible),
-                self.activation_sharding,
-            )
+            sharded_layer(_with_args(fn.apply, args, kwargs), self.activation_sharding)
             for fn in self._lifted
         ]
-
         if self._stacked:
-            (layer,), (stacked_params,), (stacked_state,) = layers, params, states
-
-            def body(h, per_layer):
-                return layer(*per_layer, h)
-
-            body.__name__ = module
-
-            def stack(h):
-                per_layer = (stacked_params, stacked_state, keys)
-                if anchored:
-                    h, new_state = revnet.scan(
-                        body,
-                        h,
-                        per_layer,
-                        mode="invert",
-                        decisions=self.decisions,
-                        kinks=self.kinks,
-                        anchor_every=self.anchor_every,
-                        drift=self.drift,
-                    )
-                else:
-                    h, new_state = jax.lax.scan(body, h, per_layer)
-                return h, (new_state,)
-
-        else:
-            layer_keys = [None] * self.num_layers if keys is None else list(keys)
-
-            def stack(h):
-                new_states = []
-                for layer, p, s, k in zip(layers, params, states, layer_keys):
-                    h, new_state = layer(p, s, k, h)
-                    new_states.append(new_state)
-                return h, tuple(new_states)
-
-        stack.__name__ = module
-        return stack
+            ((params, state),) = pairs
+            return layers[0], (params, state, keys)
+        layer_keys = [None] * self.num_layers if keys is None else list(keys)
+        triples = [(p, s, k) for (p, s), k in zip(pairs, layer_keys)]
+        return layers, triples
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """Applies the blocks to ``x``; extra arguments go to ``block_fn``."""
-        anchored = self.reversible and (
-            self.anchor_every is not None or self.drift is not None
-        )
         # The stream enters with its sharding, so that the layers' constraints
         # do not change its type inside the reversible function.
         x = constrain(x, self.activation_sharding)
-        stack = self._stack(x, args, kwargs, anchored)
-        if self.reversible and not anchored:
-            stack = revnet.invertible(stack, decisions=self.decisions, kinks=self.kinks)
-        y, new_states = stack(x)
+        layer, per_layer = self._layers(x, args, kwargs)
+        y, new_states = run_stack(
+            layer,
+            per_layer,
+            x,
+            reversible=self.reversible,
+            anchor_every=self.anchor_every,
+            drift=self.drift,
+            decisions=self.decisions,
+            kinks=self.kinks,
+            name=self.module_name,
+        )
+        if self._stacked:
+            new_states = (new_states,)
         for fn, state in zip(self._lifted, new_states, strict=True):
             fn.update_state(state)
         return y
@@ -307,11 +260,5 @@ class ReversibleSequence(hk.Module):
           revnet.NotInvertibleError: If a block cannot be run backwards.
         """
         y = constrain(y, self.activation_sharding)
-        stack = self._stack(y, args, kwargs)
-
-        def outputs(h):
-            return stack(h)[0]
-
-        outputs.__name__ = stack.__name__
-        (x,) = revnet.inverse(outputs, y)(y)
-        return x
+        layer, per_layer = self._layers(y, args, kwargs)
+        return invert_stack(layer, per_layer, y, name=self.module_name)

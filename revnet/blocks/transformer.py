@@ -15,8 +15,9 @@ import haiku as hk
 import jax
 
 import revnet
+from revnet._block_checks import check_anchors, check_input
 from revnet._checks import check_bool, check_float_dtype, check_int, check_real
-from revnet.blocks._block_checks import check_anchors, check_input, check_name
+from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence
 

@@ -1,5 +1,5 @@
-"""Checks that only the Haiku blocks make: the stream's shape, the residual
-functions' outputs, module names and the anchors' keyword arguments.
+"""Checks that the blocks of every front door make: the stream's shape, the
+residual functions' outputs and the anchors' keyword arguments.
 
 The generic argument checks they use live in :mod:`revnet._checks`.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from revnet._checks import check_int, check_monitor, fail
+from revnet._checks import check_int, check_monitor
 
 
 def check_input(
@@ -53,9 +53,9 @@ def check_input(
         )
 
 
-def check_splittable(module: str, x: Any, expected: str) -> int:
+def check_splittable(module: str, x: Any, expected: str, min_rank: int = 2) -> int:
     """Checks that the last axis of ``x`` splits into halves; returns its half."""
-    check_input(module, x, min_rank=2, expected=expected)
+    check_input(module, x, min_rank=min_rank, expected=expected)
     channels = x.shape[-1]
     if channels % 2:
         raise ValueError(
@@ -74,26 +74,13 @@ def check_output(module: str, what: str, out: Any, shape: tuple[int, ...]) -> No
         )
 
 
-def check_name(cls: type, name: Any) -> None:
-    """Checks a module's ``name`` before ``hk.Module.__init__`` sees it.
-
-    Haiku itself rejects strings that are not identifiers; anything that is not
-    a string fails inside Haiku with an unrelated message.
-
-    Raises:
-      TypeError: If ``name`` is neither a string nor None.
-    """
-    if name is not None and not isinstance(name, str):
-        raise fail(cls.__name__, "name", name, "a string or None")
-
-
 def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
     """Checks ``anchor_every`` (None or a positive integer) and ``drift``.
 
     Returns:
       ``{"anchor_every": ..., "drift": ...}``, the keyword arguments of
-      :class:`~revnet.blocks.ReversibleSequence` (``anchor_every`` as a
-      Python int or None).
+      :func:`revnet._stack.run_stack` (``anchor_every`` as a Python int or
+      None).
 
     Raises:
       TypeError: If ``anchor_every`` is not an integer or ``drift`` not a

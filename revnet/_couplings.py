@@ -1,0 +1,185 @@
+"""The coupling arithmetic of every front door, on plain callables.
+
+A coupling splits the last axis of the stream into halves and adds (or scales
+and shifts) one half by a function of the other: plain ``jnp`` code that the
+core inverts equation by equation. The residual functions are given as plain
+callables ``h -> (out, aux)``, where ``aux`` is whatever the framework threads
+through (new BatchNorm state, or None); the front doors (Haiku's
+``revnet.blocks``, ``revnet.eqx``, ``revnet.nnx``) lift their modules into such
+callables, with explicit parameters, state and RNG keys, so that the very same
+forward computation can be handed to :func:`revnet.inverse` (:func:`invert`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import revnet
+from revnet._block_checks import check_output, check_splittable
+
+Residual = Callable[[jax.Array], tuple[jax.Array, Any]]
+"""A residual function ``h -> (out, aux)``."""
+
+EXPECTED = {
+    0: "[..., 2 * half_channels]",
+    1: "[batch, ..., 2 * half_channels]",
+}
+"""The stream's shape, for error messages, by the number of batch axes."""
+
+
+def check_stream(name: str, x: Any, batch_dims: int) -> int:
+    """Checks that ``x`` is a floating point stream (``batch_dims`` leading
+    batch axes, then at least one more) whose last axis splits into halves;
+    returns the half."""
+    return check_splittable(name, x, EXPECTED[batch_dims], min_rank=batch_dims + 1)
+
+
+SCALES = ("sigmoid", "tanh", "exp")
+"""The affine coupling's scale functions (see :func:`scale`)."""
+
+
+def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Splits the last axis of ``x`` into two equal halves.
+
+    One ``split`` rather than two slices: its inverse and its VJP are one
+    concatenation, where the slices' VJPs are a sum of two pads, which XLA
+    schedules worse in unrolled chains of blocks (memory that grows with depth).
+    """
+    a, b = jnp.split(x, 2, axis=-1)
+    return a, b
+
+
+def join_halves(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Concatenates two halves along the last axis."""
+    return jnp.concatenate([a, b], axis=-1)
+
+
+def scale(
+    raw: jax.Array, kind: str, bound: float | None
+) -> tuple[jax.Array, jax.Array]:
+    """The affine coupling's scale ``a(raw)`` and its logarithm.
+
+    Args:
+      raw: The net's raw scale output.
+      kind: ``"sigmoid"`` (``a = 1/2 + sigmoid(raw)``), ``"tanh"`` (``log a =
+        bound * tanh(raw / bound)``) or ``"exp"`` (``log a = raw``).
+      bound: The log-scale's bound with ``"tanh"``; ignored otherwise.
+
+    Returns:
+      ``(a, log_a)``.
+    """
+    if kind == "sigmoid":
+        a = 0.5 + jax.nn.sigmoid(raw)
+        return a, jnp.log(a)
+    log_a = bound * jnp.tanh(raw / bound) if kind == "tanh" else raw
+    return jnp.exp(log_a), log_a
+
+
+def additive(
+    f: Residual,
+    g: Residual,
+    x: jax.Array,
+    *,
+    batch_dims: int = 1,
+    name: str = "additive coupling",
+) -> tuple[jax.Array, tuple[Any, Any]]:
+    """The additive coupling ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``.
+
+    Args:
+      f: Residual function of ``x2``, returning ``(out, aux)`` with ``out``
+        shaped like ``x1``.
+      g: Residual function of ``y1``, returning ``(out, aux)`` with ``out``
+        shaped like ``x2``.
+      x: The stream, ``[batch, ..., 2 * half_channels]``.
+      batch_dims: The number of leading batch axes of ``x``: 1, or 0 for one
+        example (a front door that vmaps its blocks over the batch).
+      name: The module, for error messages.
+
+    Returns:
+      ``(y, (aux_f, aux_g))``.
+
+    Raises:
+      ValueError: If the last axis of ``x`` is odd, or ``f`` or ``g`` returns
+        the wrong shape.
+
+    Example:
+
+    >>> f = lambda h: (jnp.tanh(h), None)
+    >>> y, _ = additive(f, f, jnp.ones([2, 4]))
+    >>> y.shape
+    (2, 4)
+    """
+    check_stream(name, x, batch_dims)
+    x1, x2 = split_halves(x)
+    fx, aux_f = f(x2)
+    check_output(name, "f", fx, x1.shape)
+    y1 = x1 + fx
+    gy, aux_g = g(y1)
+    check_output(name, "g", gy, x2.shape)
+    return join_halves(y1, x2 + gy), (aux_f, aux_g)
+
+
+def affine(
+    net: Residual,
+    x: jax.Array,
+    *,
+    scale_kind: str = "sigmoid",
+    scale_bound: float | None = None,
+    batch_dims: int = 1,
+    name: str = "affine coupling",
+) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """The affine coupling ``y = (x1, x2 * a(r) + t)`` with ``(r, t) = net(x1)``.
+
+    Args:
+      net: Function of ``x1`` returning ``(out, aux)`` with ``out`` of shape
+        ``[..., 2 * half_channels]`` (raw scale, then shift).
+      x: The stream, ``[batch, ..., 2 * half_channels]``.
+      scale_kind: One of :data:`SCALES` (see :func:`scale`).
+      scale_bound: The log-scale's bound with ``"tanh"``.
+      batch_dims: The number of leading batch axes of ``x`` (1, or 0 for one
+        example).
+      name: The module, for error messages.
+
+    Returns:
+      ``((y, log_det), aux)`` where ``log_det``, shaped like the batch axes
+      (``[batch]``, or a scalar for one example), is the sum of the log-scales
+      per example.
+
+    Raises:
+      ValueError: If the last axis of ``x`` is odd, or ``net`` returns the
+        wrong shape.
+
+    Example:
+
+    >>> net = lambda h: (jnp.zeros(h.shape[:-1] + (4,)), None)
+    >>> (y, log_det), _ = affine(net, jnp.ones([2, 4]))
+    >>> log_det.shape
+    (2,)
+    """
+    check_stream(name, x, batch_dims)
+    x1, x2 = split_halves(x)
+    out, aux = net(x1)
+    check_output(name, "net", out, x1.shape[:-1] + (2 * x2.shape[-1],))
+    raw, t = split_halves(out)
+    a, log_a = scale(raw, scale_kind, scale_bound)
+    log_det = jnp.sum(log_a.reshape(log_a.shape[:batch_dims] + (-1,)), axis=-1)
+    return (join_halves(x1, x2 * a + t), log_det), aux
+
+
+def invert(forward: Callable[[jax.Array], jax.Array], y: jax.Array) -> jax.Array:
+    """Runs the shape-preserving pure function ``forward`` backwards from ``y``.
+
+    Example:
+
+    >>> f = lambda h: (jnp.tanh(h), None)
+    >>> x = jnp.ones([2, 4])
+    >>> y, _ = additive(f, f, x)
+    >>> bool(jnp.allclose(invert(lambda h: additive(f, f, h)[0], y), x))
+    True
+    """
+    (x,) = revnet.inverse(forward, y)(y)
+    return x

@@ -1,0 +1,249 @@
+"""The framework-free reversible stack under every front door.
+
+A front door (Haiku's :class:`~revnet.blocks.ReversibleSequence`,
+``revnet.eqx``, ``revnet.nnx``) reduces one block of its framework to a pure
+*layer function*::
+
+    layer(params_i, state_i, key_i, h) -> (y, new_state_i)
+
+and stacks the parameters, the state and one RNG key per layer on a leading
+axis. :func:`run_stack` then runs the layers:
+
+* reversibly, in one ``lax.scan`` inside ONE :func:`revnet.invertible`
+  function: the core saves the stack's output and builds one reverse scan that
+  rebuilds each layer's input while it computes the cotangents, so activation
+  memory and compile time do not grow with depth;
+* with anchors (``anchor_every``) or a :class:`revnet.DriftMonitor`, in a
+  :func:`revnet.scan` with ``mode="invert"``;
+* or, with ``reversible=False``, in a plain ``lax.scan`` under ordinary
+  autodiff: the honest baseline, on the very same parameters.
+
+New state (BatchNorm statistics) is a result of the forward pass only: an
+``optimization_barrier`` keeps the inversion from solving the statistics'
+update backwards. The per-layer keys are explicit inputs, so dropout is
+replayed exactly. :func:`invert_stack` rebuilds the input from the output.
+
+A front door may instead give a list of layer functions and a list of
+per-layer ``(params, state, key)`` triples (a heterogeneous stack): they run
+unrolled, one after another, in the same reversible function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+import revnet
+from revnet.drift import DriftMonitor
+
+Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
+"""``layer(params, state, key, h) -> (y, new_state)``, pure."""
+
+PerLayer = tuple[Any, Any, Any]
+"""``(params, state, keys)``, stacked on a leading axis (``keys`` may be None)."""
+
+
+def checked_layer(layer: Layer, name: str, reversible: bool) -> Layer:
+    """``layer`` checking that it preserves its input's shape and dtype, with its
+    new state behind a barrier when ``reversible``."""
+
+    def run(params, state, key, h):
+        y, new_state = layer(params, state, key, h)
+        if getattr(y, "shape", None) != h.shape or y.dtype != h.dtype:
+            got = f"{jax.numpy.shape(y)} {getattr(y, 'dtype', type(y).__name__)}"
+            raise ValueError(
+                f"{name}: each block must preserve its input's shape and dtype; "
+                f"got {h.shape} {h.dtype} -> {got}."
+            )
+        if reversible and jax.tree.leaves(new_state):
+            # New state is a result of the forward pass only. The barrier (an
+            # identity that has no inverse rule) keeps the inversion from
+            # solving the statistics' update backwards for batch statistics,
+            # which would keep every layer's new state alive for the backward
+            # pass even when the caller drops it.
+            new_state = jax.lax.optimization_barrier(new_state)
+        return y, new_state
+
+    return run
+
+
+def _stack_fn(
+    layer: Layer | Sequence[Layer],
+    per_layer: PerLayer | Sequence[PerLayer],
+    *,
+    reversible: bool,
+    anchored: bool,
+    anchor_every: int | None,
+    drift: DriftMonitor | None,
+    decisions: str,
+    kinks: str,
+    name: str,
+) -> Callable[[jax.Array], tuple[jax.Array, Any]]:
+    """The function ``h -> (y, new_state)`` of the whole stack, closing over
+    ``per_layer``; anchored, it is a :func:`revnet.scan` of its own."""
+    if callable(layer):
+        body_layer = checked_layer(layer, name, reversible)
+
+        def body(h, xs):
+            return body_layer(*xs, h)
+
+        body.__name__ = name
+
+        def stack(h):
+            if anchored:
+                return revnet.scan(
+                    body,
+                    h,
+                    tuple(per_layer),
+                    mode="invert",
+                    decisions=decisions,
+                    kinks=kinks,
+                    anchor_every=anchor_every,
+                    drift=drift,
+                )
+            return jax.lax.scan(body, h, tuple(per_layer))
+
+    else:
+        if anchored:
+            raise ValueError(
+                f"{name}: anchor_every and drift need one layer function stacked "
+                "on a leading axis; a list of layers is unrolled and has no anchors."
+            )
+        layers = [checked_layer(fn, name, reversible) for fn in layer]
+        triples = list(per_layer)
+        if len(triples) != len(layers):
+            raise ValueError(
+                f"{name}: give one (params, state, key) triple per layer function, "
+                f"got {len(triples)} for {len(layers)} layers."
+            )
+
+        def stack(h):
+            new_states = []
+            for fn, (params, state, key) in zip(layers, triples):
+                h, new_state = fn(params, state, key, h)
+                new_states.append(new_state)
+            return h, tuple(new_states)
+
+    stack.__name__ = name
+    return stack
+
+
+def run_stack(
+    layer: Layer | Sequence[Layer],
+    per_layer: PerLayer | Sequence[PerLayer],
+    h: jax.Array,
+    *,
+    reversible: bool = True,
+    anchor_every: int | None = None,
+    drift: DriftMonitor | None = None,
+    decisions: str = "store",
+    kinks: str = "recompute",
+    name: str = "stack",
+) -> tuple[jax.Array, Any]:
+    """Runs a stack of shape-preserving layers, reversibly by default.
+
+    Args:
+      layer: The pure layer function ``layer(params_i, state_i, key_i, h) ->
+        (y, new_state_i)``; or a list of layer functions, run unrolled.
+      per_layer: ``(params, state, keys)`` stacked on a leading axis, one slice
+        per layer (``keys`` may be None; so may ``state``). With a list of
+        layer functions: a list of ``(params_i, state_i, key_i)`` triples.
+      h: The stream entering the first layer.
+      reversible: If False, run a plain ``lax.scan`` under ordinary autodiff.
+      anchor_every: None, or ``k``: store the stream before every ``k``-th
+        layer and restart the backward pass's inversion from each stored one.
+      drift: None, or a :class:`revnet.DriftMonitor` receiving each backward
+        pass's reconstruction error at the anchors.
+      decisions: ``"store"`` or ``"recompute"``, as in :func:`revnet.invertible`.
+      kinks: ``"recompute"`` or ``"store"``, as in :func:`revnet.invertible`.
+      name: Name of the stack in error messages (the front door's module).
+
+    Returns:
+      ``(y, new_state)``: the last layer's output and the layers' new state,
+      stacked on a leading axis (a list, one per layer, for a list of layers).
+
+    Raises:
+      ValueError: If a layer changes the shape or dtype of the stream, or
+        anchors are asked for with a list of layers.
+
+    Example:
+
+    >>> def layer(w, state, key, h):
+    ...   h1, h2 = jnp.split(h, 2, axis=-1)
+    ...   y1 = h1 + jnp.tanh(h2 @ w)
+    ...   return jnp.concatenate([y1, h2 + jnp.tanh(y1 @ w)], -1), state
+    >>> w = 0.1 * jnp.ones([8, 4, 4])
+    >>> y, _ = run_stack(layer, (w, None, None), jnp.ones([2, 8]))
+    >>> y.shape
+    (2, 8)
+    """
+    anchored = reversible and (anchor_every is not None or drift is not None)
+    stack = _stack_fn(
+        layer,
+        per_layer,
+        reversible=reversible,
+        anchored=anchored,
+        anchor_every=anchor_every,
+        drift=drift,
+        decisions=decisions,
+        kinks=kinks,
+        name=name,
+    )
+    if reversible and not anchored:
+        stack = revnet.invertible(stack, decisions=decisions, kinks=kinks)
+    return stack(h)
+
+
+def invert_stack(
+    layer: Layer | Sequence[Layer],
+    per_layer: PerLayer | Sequence[PerLayer],
+    y: jax.Array,
+    *,
+    name: str = "stack",
+) -> jax.Array:
+    """Rebuilds the input of :func:`run_stack` from its output ``y``.
+
+    Args:
+      layer: The layer function (or list of them) given to :func:`run_stack`.
+      per_layer: The same per-layer parameters, state and keys (the same keys
+        replay dropout).
+      y: The stack's output.
+      name: Name of the stack in error messages.
+
+    Returns:
+      The input ``h`` with ``run_stack(layer, per_layer, h)[0] == y`` (up to
+      rounding). State is read, not updated.
+
+    Raises:
+      revnet.NotInvertibleError: If a layer cannot be run backwards.
+
+    Example:
+
+    >>> def layer(w, state, key, h):
+    ...   return h + jnp.tanh(w) * jnp.ones_like(h), state
+    >>> w = jnp.ones([3])
+    >>> y, _ = run_stack(layer, (w, None, None), jnp.zeros([2]))
+    >>> x = invert_stack(layer, (w, None, None), y)
+    >>> bool(jnp.allclose(x, 0.0, atol=1e-6))
+    True
+    """
+    stack = _stack_fn(
+        layer,
+        per_layer,
+        reversible=True,
+        anchored=False,
+        anchor_every=None,
+        drift=None,
+        decisions="store",
+        kinks="recompute",
+        name=name,
+    )
+
+    def outputs(h):
+        return stack(h)[0]
+
+    outputs.__name__ = name
+    (x,) = revnet.inverse(outputs, y)(y)
+    return x
