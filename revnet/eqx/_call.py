@@ -22,6 +22,14 @@ def holds_state(module: Any) -> bool:
     return any(_is_index(x) for x in jax.tree.leaves(module, is_leaf=_is_index))
 
 
+def missing_state(where: str, what: str) -> ValueError:
+    """The error for a module holding state that was called without it."""
+    return ValueError(
+        f"{where}: {what} holds state (such as eqx.nn.BatchNorm); pass the state "
+        f"from eqx.nn.make_with_state: {where}(x, state, key=key)."
+    )
+
+
 def call(
     where: str,
     what: str,
@@ -40,11 +48,7 @@ def call(
     if not holds_state(module):
         return module(h, key=key), None
     if state is None:
-        raise ValueError(
-            f"{where}: {what} holds state (such as eqx.nn.BatchNorm); call "
-            f"{where} with the state from eqx.nn.make_with_state: ({where}(x, "
-            "state, key=key))."
-        )
+        raise missing_state(where, what)
     out = module(h, state.substate(module), key=key)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(

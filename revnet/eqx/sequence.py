@@ -26,7 +26,7 @@ import revnet
 from revnet._block_checks import check_anchors, check_input
 from revnet._checks import check_bool, check_callable, check_int, fail
 from revnet._stack import invert_stack, run_stack
-from revnet.eqx._call import call
+from revnet.eqx._call import call, holds_state, missing_state
 
 _NAME = "ReversibleSequence"
 
@@ -154,6 +154,8 @@ class ReversibleSequence(eqx.Module):
         ndim = 1 if self.axis_name is None else 2
         shape = "[...]" if self.axis_name is None else "[batch, ...]"
         check_input(f"{_NAME}.{where}", x, min_rank=ndim, expected=shape)
+        if state is None and holds_state(self.blocks):
+            raise missing_state(_NAME, "the block")
         params, static = eqx.partition(self.blocks, eqx.is_array)
         substate = None if state is None else state.substate(self.blocks)
         keys = None if key is None else jax.random.split(key, self.num_layers)
