@@ -85,13 +85,19 @@ def _check_args(args: tuple, fname: str) -> None:
             )
 
 
-def _plan(jaxpr: Any, n_consts: int, n_args: int, paths, fname: str) -> Plan:
-    """The plan rebuilding the arguments from the outputs, or the user's error."""
+def _plan(
+    jaxpr: Any, n_consts: int, n_args: int, paths, fname: str, *, traced: bool = True
+) -> Plan:
+    """The plan rebuilding the arguments from the outputs, or the user's error.
+
+    ``traced``: whether a call of the function is being traced (False for
+    :func:`inverse`), which the error explains.
+    """
     known_in = (True,) * n_consts + (False,) * n_args
     try:
         return analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
     except Stuck as stuck:
-        raise not_invertible(stuck, paths(), n_consts, fname) from None
+        raise not_invertible(stuck, paths(), n_consts, fname, traced=traced) from None
 
 
 def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
@@ -327,12 +333,14 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
 
     # Analyse once, now, so that errors surface at the call to ``inverse``.
     jaxpr0, consts0, out_tree = trace(flat_fun, flat_structs)
-    _plan(jaxpr0, len(consts0), len(flat_structs), paths, fname)
+    _plan(jaxpr0, len(consts0), len(flat_structs), paths, fname, traced=False)
 
     def inv(outputs):
         # Re-trace so that closed-over values are those of the current context.
         jaxpr, consts, _ = trace(flat_fun, flat_structs)
-        plan = _plan(jaxpr, len(consts), len(flat_structs), paths, fname)
+        plan = _plan(
+            jaxpr, len(consts), len(flat_structs), paths, fname, traced=False
+        )
         flat_out, tree = jax.tree_util.tree_flatten(outputs)
         if tree != out_tree:
             raise TypeError(
