@@ -223,9 +223,21 @@ def show(value: Any) -> str:
 
 
 def degenerate(eqn: Any) -> str:
-    """The run-time message for an inverse that gave a non-finite value."""
+    """The run-time message for an inverse that gave a non-finite value.
+
+    The inverse of ``dot_general`` solves with its known matrix, so a
+    non-finite value there means that matrix is singular (a weight, or a value
+    computed at run time, that the analysis could not see): the message says so,
+    with the hint for a singular matrix.
+    """
     where = jx.where(eqn)
     at = f" at {where}" if where else ""
+    if jx.primitive_name(eqn) == "dot_general":
+        return (
+            f"the inverse of `dot_general`{at} gave a non-finite value from finite "
+            "values: its known matrix is singular (or nearly), so these values "
+            f"cannot be rebuilt\n{HINTS[SINGULAR]}"
+        )
     return (
         f"the inverse of `{jx.primitive_name(eqn)}`{at} gave a non-finite value "
         "from finite values (a zero factor, a singular matrix, a saturated "
