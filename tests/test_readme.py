@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +125,12 @@ def _check_compute_dtype(ns, out):
     for g, p in zip(jax.tree.leaves(ns["grads"]), jax.tree.leaves(ns["params"])):
         assert g.dtype == p.dtype == jnp.float32
         assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+    # The same parameters without compute_dtype: the blocks really ran in bfloat16.
+    from revnet import blocks
+
+    f32 = hk.transform(lambda x: blocks.ReversibleSequence(ns["block"], 16)(x))
+    y32 = f32.apply(ns["params"], None, ns["x"])
+    assert float(jnp.max(jnp.abs(ns["y"] - y32))) > 0, "compute_dtype had no effect"
 
 
 def _check_ready_made(ns, out):
@@ -163,9 +170,9 @@ CHECKS = {
     "x1, x2 = revnet.inverse(net, x, x)(net(x, x))": _check_quick_start,
     "@revnet.custom_ivjp": _check_custom_ivjp,
     "revnet.set_runtime_checks(True)": _check_runtime_checks,
-    "grads = jax.grad(loss)(params)       # equal to": _check_own_block,
+    "reversible=reversible)(x)": _check_own_block,
     "compute_dtype=jnp.bfloat16": _check_compute_dtype,
-    "blocks.AdditiveCoupling(f, f)(h)": _check_ready_made,
+    "seq.inverse(x) if inverse else seq(x)": _check_ready_made,
     "def leapfrog(state):": _check_loops,
     "anchor_every=16, drift=monitor": _check_drift,
 }
