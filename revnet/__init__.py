@@ -1,4 +1,56 @@
-"""revnet: reversible neural networks with invertible VJPs for JAX and Haiku."""
+"""revnet: reversible neural networks with invertible VJPs for JAX and Haiku.
+
+revnet inverts a JAX function equation by equation, so that its backward pass
+rebuilds each activation from the outputs instead of storing it: activation
+memory stays flat as depth grows, for about one extra forward pass of compute,
+and the gradients are those of plain ``jax.grad``.
+
+The core:
+
+* :func:`invertible` makes a function's backward pass rebuild its activations
+  (put one boundary around the whole stack); :func:`inverse` returns its
+  inverse, outputs to inputs.
+* :class:`custom_ivjp` gives a function an inverse you write yourself;
+  :func:`register_inverse` adds an inverse rule for one JAX primitive.
+* :class:`NotInvertibleError` is raised at trace time, naming the primitive,
+  the input that cannot be recovered and your source line.
+
+Loops: :func:`while_loop` and :func:`scan` differentiate any body in reverse
+mode, with ``mode="auto"`` (the default), ``"invert"``, ``"store"`` or
+``"checkpoint"``, and ``anchor_every=k`` to store the carry every ``k``
+steps (:mod:`revnet.loops`).
+
+Accuracy: :func:`set_runtime_checks` turns a non-finite reconstruction into an
+error; a :class:`DriftMonitor` reads the reconstruction error at the anchors
+(:class:`DriftWarning`, :class:`DriftError`).
+
+Haiku: :mod:`revnet.blocks` holds the couplings, ``ReversibleSequence`` (an
+O(1)-memory stack of your own blocks), the RevNet family,
+``ReversibleTransformer`` and the sharding helpers (``help(revnet.blocks)``).
+
+README.md, section by section: "Quick start", "What can be inverted" (with
+"Decisions are stored" and "Values that cannot be inverted"), "Haiku models",
+"Loops", "Numerical accuracy", "Scaling out" and "Limits". Every Python block
+there runs on its own.
+
+Example:
+
+>>> import jax, jax.numpy as jnp, revnet
+>>> @revnet.invertible
+... def net(x1, x2):
+...     y1 = x1 + jnp.tanh(x2)
+...     return y1, x2 + jnp.tanh(y1)
+>>> def loss(x1, x2, f=net):
+...     return jnp.sum(f(x1, x2)[1] ** 2)
+>>> x = jnp.linspace(-1.0, 1.0, 4)
+>>> grad = jax.grad(loss)(x, x)                     # rebuilds, stores nothing
+>>> plain = jax.grad(loss)(x, x, net.__wrapped__)   # ordinary backprop
+>>> bool(jnp.allclose(grad, plain, rtol=1e-5, atol=1e-6))
+True
+>>> x1, x2 = revnet.inverse(net, x, x)(net(x, x))   # the inputs, rebuilt
+>>> bool(jnp.allclose(x1, x, atol=1e-6))
+True
+"""
 
 from revnet import rules  # noqa: F401  (registers the built-in inverse rules)
 from revnet._engine import NotInvertibleError, register_inverse

@@ -19,10 +19,11 @@ monitor records one reading per backward pass and warns or raises itself
 (``checks.host_callback``)::
 
     monitor = revnet.DriftMonitor(tolerance=1e-3)
-    def loss(params, x):
+    def loss(x):
         seq = ReversibleSequence(block, 128, anchor_every=16, drift=monitor)
         return jnp.sum(seq(x) ** 2)
-    grads = jax.jit(jax.grad(hk.transform(loss).apply))(params, None, x)
+    loss = hk.transform(loss)
+    grads = jax.jit(jax.grad(loss.apply))(loss.init(key, x), None, x)
     jax.effects_barrier()  # host callbacks run asynchronously
     monitor.latest  # drift at each of the 8 anchors, first step first
 
@@ -76,29 +77,49 @@ class DriftReading(NamedTuple):
 class DriftMonitor:
     """Receives the drift of anchored reversible backward passes.
 
-    Example::
+    Pass it as ``drift=`` to :func:`revnet.scan`, :func:`revnet.while_loop`
+    (with ``max_steps``), ``ReversibleSequence``, ``RevNet`` or
+    ``ReversibleTransformer``. Each backward pass adds one
+    :class:`DriftReading` (:attr:`readings`, :attr:`latest`, :meth:`max`).
 
-        monitor = revnet.DriftMonitor(tolerance=1e-2, on_exceed="raise")
-        ys = revnet.scan(step, x, weights, anchor_every=8, drift=monitor)
+    Args:
+      tolerance: None, or the largest relative reconstruction error allowed
+        at an anchor; a larger (or non-finite) one warns or raises.
+      on_exceed: ``"warn"`` (a :class:`DriftWarning`) or ``"raise"`` (a
+        :class:`DriftError`, raised where the backward pass's result is
+        read: by ``jax.grad`` itself in eager code, by the jitted call or
+        ``block_until_ready`` under ``jit``, there wrapped in JAX's
+        runtime error).
+
+    Raises:
+      TypeError: If ``tolerance`` is not a number or None.
+      ValueError: If ``tolerance`` is not positive and finite, or
+        ``on_exceed`` is neither ``"warn"`` nor ``"raise"``.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp, revnet
+    >>> monitor = revnet.DriftMonitor(tolerance=1e-2, on_exceed="raise")
+    >>> def step(h, w):                       # an additive coupling
+    ...     h1, h2 = h
+    ...     y1 = h1 + jnp.tanh(h2 @ w)
+    ...     y2 = h2 + jnp.tanh(y1 @ w)
+    ...     return (y1, y2), jnp.sum(y2)
+    >>> def loss(weights, x):
+    ...     carry, ys = revnet.scan(step, (x, x), weights, anchor_every=8,
+    ...                             drift=monitor)
+    ...     return jnp.sum(carry[1] ** 2) + jnp.sum(ys)
+    >>> weights = 0.3 * jax.random.normal(jax.random.key(0), (32, 4, 4))
+    >>> grads = jax.grad(loss)(weights, jnp.ones((2, 4)))
+    >>> jax.effects_barrier()                 # readings come from a host callback
+    >>> monitor.latest.shape                  # 32 steps, an anchor every 8
+    (4,)
+    >>> bool(monitor.max() < 1e-2)
+    True
     """
 
     def __init__(self, tolerance: float | None = None, on_exceed: str = "warn"):
-        """Constructs the monitor.
-
-        Args:
-          tolerance: None, or the largest relative reconstruction error allowed
-            at an anchor; a larger (or non-finite) one warns or raises.
-          on_exceed: ``"warn"`` (a :class:`DriftWarning`) or ``"raise"`` (a
-            :class:`DriftError`, raised where the backward pass's result is
-            read: by ``jax.grad`` itself in eager code, by the jitted call or
-            ``block_until_ready`` under ``jit``, there wrapped in JAX's
-            runtime error).
-
-        Raises:
-          TypeError: If ``tolerance`` is not a number or None.
-          ValueError: If ``tolerance`` is not positive and finite, or
-            ``on_exceed`` is neither ``"warn"`` nor ``"raise"``.
-        """
+        """Constructs the monitor (arguments and errors: see the class)."""
         if tolerance is not None:
             if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
                 raise TypeError(

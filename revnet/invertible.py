@@ -23,7 +23,12 @@ outputs and the constants known; then, until nothing changes:
 
 If every input becomes known the function is invertible; otherwise
 :class:`~revnet.NotInvertibleError` names the equation that could not be
-solved, the input that could not be recovered, and the user's source line.
+solved, the input that could not be recovered, and the user's source line, and
+for a common shape (a residual ``x + f(x)``, a reduction or ``relu`` on the
+stream, a lossy cast, a singular matrix) adds one line starting with ``try:``.
+This is checked when a call is traced, differentiated or not, so that a
+function that cannot be inverted fails at its first call (a Haiku ``init``),
+not at its first gradient.
 In the backward pass, values evaluated forward come from ``jax.vjp``, so the
 evaluation of ``F(x2)`` that rebuilds ``x1 = y1 - F(x2)`` is the one whose VJP
 is taken (RevNet's 4/3 cost, not 3/2).
@@ -85,13 +90,19 @@ def _check_args(args: tuple, fname: str) -> None:
             )
 
 
-def _plan(jaxpr: Any, n_consts: int, n_args: int, paths, fname: str) -> Plan:
-    """The plan rebuilding the arguments from the outputs, or the user's error."""
+def _plan(
+    jaxpr: Any, n_consts: int, n_args: int, paths, fname: str, *, traced: bool = True
+) -> Plan:
+    """The plan rebuilding the arguments from the outputs, or the user's error.
+
+    ``traced``: whether a call of the function is being traced (False for
+    :func:`inverse`), which the error explains.
+    """
     known_in = (True,) * n_consts + (False,) * n_args
     try:
         return analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
     except Stuck as stuck:
-        raise not_invertible(stuck, paths(), n_consts, fname) from None
+        raise not_invertible(stuck, paths(), n_consts, fname, traced=traced) from None
 
 
 def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
@@ -226,9 +237,10 @@ def invertible(
       A function with the same signature and values as ``fun``.
 
     Raises:
-      NotInvertibleError: at trace time, when ``fun`` cannot be inverted; the
-        message names the primitive, the input that cannot be recovered and the
-        source line.
+      NotInvertibleError: at trace time, also of a call that is not
+        differentiated, when ``fun`` cannot be inverted; the message names the
+        primitive, the input that cannot be recovered and the source line, and
+        may end with one ``try:`` line naming the remedy.
     """
     check_options(decisions, kinks, "invertible")
     if fun is None:
@@ -327,12 +339,12 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
 
     # Analyse once, now, so that errors surface at the call to ``inverse``.
     jaxpr0, consts0, out_tree = trace(flat_fun, flat_structs)
-    _plan(jaxpr0, len(consts0), len(flat_structs), paths, fname)
+    _plan(jaxpr0, len(consts0), len(flat_structs), paths, fname, traced=False)
 
     def inv(outputs):
         # Re-trace so that closed-over values are those of the current context.
         jaxpr, consts, _ = trace(flat_fun, flat_structs)
-        plan = _plan(jaxpr, len(consts), len(flat_structs), paths, fname)
+        plan = _plan(jaxpr, len(consts), len(flat_structs), paths, fname, traced=False)
         flat_out, tree = jax.tree_util.tree_flatten(outputs)
         if tree != out_tree:
             raise TypeError(

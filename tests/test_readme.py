@@ -1,34 +1,381 @@
-"""The README's quick start runs and means what it says."""
+"""README.md runs as written, and means what it says.
 
+The rule for the README: every ```python block is self-contained. It imports
+what it uses and makes its own data, assuming the reader ran nothing before it
+(no earlier block, no setup), so each one runs here on its own, in a fresh
+namespace. Line numbers in a failing block's traceback are README.md's.
+
+* ``test_block_runs`` runs every block, named by its index and its section's
+  heading. Blocks that need a fresh interpreter (forced CPU devices, several
+  processes) are listed in ``SUBPROCESS`` with the reason and run in the slow
+  tier; every other block takes a few seconds in this process. A block that
+  imports ``flax`` or ``equinox`` is skipped when that package is missing.
+  Where a block's result can be checked cheaply, ``CHECKS`` does so against
+  plain ``jax.grad`` (or the README's own claim).
+* ``test_every_block_is_run`` counts the fences a second way, so a new block
+  cannot be left out silently.
+* The ``bash`` blocks and the ``make`` commands in the text name only
+  Makefile targets and command-line flags that exist.
+* The examples of the docstrings ``help(revnet)`` shows first run.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
 import pathlib
 import re
+import shlex
+import socket
+import subprocess
+import sys
 
+import haiku as hk
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from tests.helpers import assert_trees_close
+import revnet
+import revnet.blocks
+from tests.helpers import (
+    COLLECTIVE_PATIENCE,
+    ROOT,
+    assert_trees_close,
+    run_python,
+    tolerance,
+)
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(ROOT) / "README.md"
+TEXT = README.read_text()
+RTOL = tolerance("float32")
 
 
-def test_quick_start_runs_and_matches_plain_autodiff():
-    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+def _blocks(lang: str) -> list[tuple[int, str, str]]:
+    """``(first code line, section heading, code)`` of every ```lang block."""
+    found, heading, code, start = [], "", None, 0
+    for n, line in enumerate(TEXT.splitlines(), 1):
+        if code is None and line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif code is None and line.strip() == f"```{lang}":
+            code, start = [], n + 1
+        elif code is not None and line.strip() == "```":
+            found.append((start, heading, "\n".join(code) + "\n"))
+            code = None
+        elif code is not None:
+            code.append(line)
+    return found
+
+
+BLOCKS = _blocks("python")
+HEADINGS = [heading for _, heading, _ in BLOCKS]
+
+# Blocks that need a fresh interpreter, by section heading, with the reason.
+# They run in the slow tier (pyproject.toml: subprocess and multi-process runs).
+SUBPROCESS = {
+    "Scaling out": "sets 8 CPU devices before JAX starts",
+    "Setting up": "two processes under jax.distributed",
+}
+
+
+def _block_id(index: int) -> str:
+    line, heading, code = BLOCKS[index]
+    first = code.strip().splitlines()[0][:40]
+    return f"{index}: {heading} (README.md:{line}: {first})"
+
+
+# --------------------------------------------------------------------------- #
+# Checks of meaning, keyed by a line that appears in exactly one block. Each
+# takes the block's namespace and what it printed.
+
+
+def _check_quick_start(ns, out):
     plain = ns["net"].__wrapped__
     want = jax.grad(
-        lambda a, b: sum(jax.numpy.sum(y**2) for y in plain(a, b)), argnums=(0, 1)
+        lambda a, b: sum(jnp.sum(y**2) for y in plain(a, b)), argnums=(0, 1)
     )(ns["x"], ns["x"])
-    assert_trees_close(ns["grads"], want, 1e-5, "grads")
-    assert_trees_close((ns["x1"], ns["x2"]), (ns["x"], ns["x"]), 1e-5, "inverse")
+    assert_trees_close(ns["grads"], want, RTOL, "grads")
+    assert_trees_close((ns["x1"], ns["x2"]), (ns["x"], ns["x"]), RTOL, "inverse")
 
 
-def test_bring_your_own_block_matches_the_twin():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    code = next(b for b in blocks if "def block(h)" in b)
-    ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+def _check_custom_ivjp(ns, out):
+    plain = ns["f"].fun  # the undecorated function: plain autodiff
+    want = jax.grad(lambda x: jnp.sum(plain(x) ** 2))(ns["x"])
+    assert_trees_close(ns["grad"], want, RTOL, "grad")
+    assert_trees_close(ns["x_back"], ns["x"], RTOL, "inverse")
+
+
+def _check_runtime_checks(ns, out):
+    first, *rest = out.splitlines()
+    want = jax.grad(lambda w, x: jnp.sum(jnp.sinh(x * w) ** 2))(0.5, ns["x"])
+    assert_trees_close(jnp.float32(float(first)), want, RTOL, "printed gradient")
+    assert "non-finite value from finite values" in "\n".join(rest), out
+
+
+def _check_own_block(ns, out):
     twin = jax.grad(lambda p: ns["loss"](p, reversible=False))(ns["params"])
-    assert_trees_close(ns["grads"], twin, 1e-5, "grads")
+    assert_trees_close(ns["grads"], twin, RTOL, "grads")
     leaves = jax.tree.leaves(ns["grads"])
     assert len(leaves) == 6, "MLP (2 layers) and Linear: weights and biases"
     assert all(float(abs(g).max()) > 0 for g in leaves), "a zero gradient"
+
+
+def _check_compute_dtype(ns, out):
+    assert ns["y"].dtype == jnp.float32, "the residual stream stays in float32"
+    for g, p in zip(jax.tree.leaves(ns["grads"]), jax.tree.leaves(ns["params"])):
+        assert g.dtype == p.dtype == jnp.float32
+        assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+    # The same parameters without compute_dtype: the blocks really ran in bfloat16.
+    from revnet import blocks
+
+    f32 = hk.transform(lambda x: blocks.ReversibleSequence(ns["block"], 16)(x))
+    y32 = f32.apply(ns["params"], None, ns["x"])
+    assert float(jnp.max(jnp.abs(ns["y"] - y32))) > 0, "compute_dtype had no effect"
+
+
+def _check_ready_made(ns, out):
+    assert_trees_close(ns["x_back"], ns["x"], RTOL, "inverse")
+
+
+def _check_loops(ns, out):
+    # Plain JAX takes as many steps (lax.while_loop, same float32 clock), then
+    # jax.grad differentiates the same steps unrolled.
+    leapfrog, t_end = ns["leapfrog"], ns["t_end"]
+    q0, p0 = ns["q0"], ns["p0"]
+    _, _, _, steps = jax.lax.while_loop(
+        lambda s: s[2] < t_end,
+        lambda s: (*leapfrog(s[:3]), s[3] + 1),
+        (q0, p0, jnp.float32(0.0), 0),
+    )
+
+    def plain(q0):
+        state = (q0, p0, 0.0)
+        for _ in range(int(steps)):
+            state = leapfrog(state)
+        return jnp.sum(state[0] ** 2)
+
+    assert int(steps) > 1
+    assert_trees_close(
+        ns["grads"], jax.grad(plain)(q0), tolerance("float32", loops=True)
+    )
+
+
+def _check_drift(ns, out):
+    latest = ns["monitor"].latest
+    assert latest is not None and latest.shape == (8,), latest  # 128 / 16 anchors
+    assert np.all(np.isfinite(latest)), latest
+
+
+CHECKS = {
+    "x1, x2 = revnet.inverse(net, x, x)(net(x, x))": _check_quick_start,
+    "@revnet.custom_ivjp": _check_custom_ivjp,
+    "revnet.set_runtime_checks(True)": _check_runtime_checks,
+    "reversible=reversible)(x)": _check_own_block,
+    "compute_dtype=jnp.bfloat16": _check_compute_dtype,
+    "seq.inverse(x) if inverse else seq(x)": _check_ready_made,
+    "def leapfrog(state):": _check_loops,
+    "anchor_every=16, drift=monitor": _check_drift,
+}
+
+# Appended to a subprocess block, where the namespace is not at hand.
+SUBPROCESS_CHECKS = {
+    # "Under Explicit axes they equal the parameters' own shardings."
+    "Scaling out": """
+for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+    assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+    assert bool(jnp.all(jnp.isfinite(g)))
+print("README CHECK OK", len(jax.tree.leaves(grads)))
+""",
+}
+
+
+def _checks_of(code: str):
+    return [check for key, check in CHECKS.items() if key in code]
+
+
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def restore_runtime_checks():
+    yield
+    revnet.set_runtime_checks(None)  # a block may turn them on or off
+
+
+def _skip_missing_packages(code: str) -> None:
+    for package in ("flax", "equinox"):
+        if re.search(rf"^\s*(import|from)\s+{package}\b", code, re.M):
+            pytest.importorskip(package, reason=f"the block imports {package}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_processes(code: str, tmp_path, n: int = 2, timeout: float = 600) -> list:
+    """Runs ``code`` as a file in ``n`` processes, as the block's comment says."""
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    env = dict(
+        os.environ,
+        PORT=str(_free_port()),
+        XLA_FLAGS=COLLECTIVE_PATIENCE,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env={**env, "PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, out in zip(procs, outs):
+        assert proc.returncode == 0, out[-4000:]
+    return outs
+
+
+def _run_in_subprocess(index: int, tmp_path) -> None:
+    _, heading, code = BLOCKS[index]
+    if heading == "Setting up":
+        outs = _run_processes(code, tmp_path)
+        losses = [re.findall(r"process (\d): loss (\S+)", out) for out in outs]
+        assert [found[0][0] for found in losses] == ["0", "1"], outs
+        assert losses[0][0][1] == losses[1][0][1], "one global loss"
+        return
+    out = run_python("-c", code + SUBPROCESS_CHECKS.get(heading, ""), devices=None)
+    if heading in SUBPROCESS_CHECKS:
+        assert "README CHECK OK" in out, out
+
+
+def _params():
+    cases = []
+    for index, (_, heading, _) in enumerate(BLOCKS):
+        marks = [pytest.mark.slow] if heading in SUBPROCESS else []
+        cases.append(pytest.param(index, id=_block_id(index), marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("index", _params())
+def test_block_runs(index, tmp_path, capsys, restore_runtime_checks):
+    line, heading, code = BLOCKS[index]
+    _skip_missing_packages(code)
+    if heading in SUBPROCESS:
+        _run_in_subprocess(index, tmp_path)
+        return
+    ns: dict = {"__name__": f"readme_block_{index}"}
+    padded = "\n" * (line - 1) + code  # tracebacks show README.md's line numbers
+    exec(compile(padded, str(README), "exec"), ns)  # noqa: S102
+    jax.effects_barrier()
+    out = capsys.readouterr().out
+    for check in _checks_of(code):
+        check(ns, out)
+
+
+def test_every_block_is_run():
+    fences = len(re.findall(r"^```python\s*$", TEXT, re.M))
+    assert fences == len(BLOCKS) == len(_params()), "a ```python block is not run"
+    assert len(BLOCKS) >= 10
+    for heading in SUBPROCESS:
+        assert HEADINGS.count(heading) == 1, f"SUBPROCESS names {heading!r}"
+    for heading in SUBPROCESS_CHECKS:
+        assert heading in SUBPROCESS, heading
+    for key in CHECKS:
+        found = [i for i, (_, _, code) in enumerate(BLOCKS) if key in code]
+        assert len(found) == 1, f"CHECKS key {key!r} is in blocks {found}"
+
+
+# --------------------------------------------------------------------------- #
+# Commands.
+
+
+def _make_targets() -> set[str]:
+    makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
+    return set(re.findall(r"^([A-Za-z][\w-]*):", makefile, re.M))
+
+
+def _module_help(module: str, capsys) -> str:
+    """The ``--help`` text of ``python -m module`` (its argparse, in process)."""
+    main = __import__(module, fromlist=["main"]).main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return capsys.readouterr().out
+
+
+def test_make_commands_name_existing_targets():
+    targets = _make_targets()
+    assert {"test", "test-all", "demo"} <= targets
+    named = set(re.findall(r"`make ([a-z][\w-]*)", TEXT))
+    assert named, "the README names no make target"
+    assert named <= targets, f"not in the Makefile: {sorted(named - targets)}"
+
+
+def test_make_targets_run_what_the_readme_says():
+    makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
+    demo = re.search(r"^demo:.*\n\t(.*)", makefile, re.M).group(1)
+    assert "-m benchmarks.run --quick --out results" in demo
+    assert "`make demo` (`python -m benchmarks.run --quick --out results`)" in TEXT
+    test = re.search(r"^test:.*\n\t(.*)", makefile, re.M).group(1)
+    assert '-m "not slow"' in test
+
+
+def test_bash_blocks_name_existing_flags(capsys):
+    from benchmarks import BENCHMARKS
+
+    targets = _make_targets()
+    commands = [
+        shlex.split(line.split("#")[0])
+        for _, _, code in _blocks("bash")
+        for line in code.splitlines()
+        if line.split("#")[0].strip()
+    ]
+    assert commands
+    for argv in commands:
+        if argv[0] == "make":
+            assert argv[1] in targets, argv
+            continue
+        assert argv[0].endswith("python") and argv[1] == "-m", argv
+        module = argv[2]
+        flags = [a.split("=")[0] for a in argv[3:] if a.startswith("--")]
+        text = _module_help(module, capsys)
+        for flag in flags:
+            assert re.search(rf"{flag}\b", text), f"{module} has no {flag}"
+        if module == "benchmarks.run" and "--only" in argv:
+            names = argv[argv.index("--only") + 1].split(",")
+            assert set(names) <= set(BENCHMARKS), names
+
+
+# --------------------------------------------------------------------------- #
+# help(revnet): the examples of the docstrings it shows first.
+
+
+DOCUMENTED = {
+    "revnet": revnet,
+    "revnet.blocks": revnet.blocks,
+    "revnet.DriftMonitor": revnet.DriftMonitor,
+}
+
+
+@pytest.mark.parametrize("name", DOCUMENTED)
+def test_docstring_example_runs(name, restore_runtime_checks):
+    tests = doctest.DocTestFinder(recurse=False).find(DOCUMENTED[name], globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= 5, "the docstring has an example"
+    assert result.failed == 0

@@ -40,10 +40,13 @@ from revnet._engine.decisions import (
     stored_bytes,
 )
 from revnet._engine.errors import (
+    CAST,
+    SINGULAR,
     NotInvertibleError,
     Stuck,
     leaf_paths,
     not_invertible,
+    refusal,
     show,
 )
 from revnet._engine.interpreter import Interpreter
@@ -54,6 +57,7 @@ from revnet._engine.registry import InverseRule, register_inverse
 from revnet._engine.tracing import trace
 
 __all__ = [
+    "CAST",
     "DECISIONS",
     "KINKS",
     "Exposed",
@@ -67,6 +71,7 @@ __all__ = [
     "InverseRule",
     "NotInvertibleError",
     "Plan",
+    "SINGULAR",
     "ScanParams",
     "Stuck",
     "analyze",
@@ -81,6 +86,7 @@ __all__ = [
     "sharding",
     "show",
     "struct",
+    "refusal",
     "register_inverse",
     "registry",
     "revolve",

@@ -29,12 +29,17 @@ from revnet._engine import jaxpr as jx
 from revnet._engine.cache import LRU
 from revnet._engine.errors import (
     BROKEN,
+    ON_STREAM,
+    ON_STREAM_PRIMITIVES,
     REFUSED,
+    RESIDUAL,
+    RESIDUAL_PRIMITIVES,
     WAITING,
     Failure,
     NotInvertibleError,
     RuleError,
     Stuck,
+    hint_of,
 )
 from revnet._engine.plan import Forward, Plan, Solve, var_avals, wiring
 
@@ -47,6 +52,9 @@ stats = {"analyses": 0, "hits": 0}
 
 
 PLAN_CACHE = LRU(512)
+
+# How a residual reads in an error, by primitive.
+_OPERATOR = {"sub": "-", "mul": "*", "div": "/"}
 
 
 def analyze(jaxpr: Any, known_in: Sequence[bool], known_out: Sequence[bool]) -> Plan:
@@ -188,8 +196,9 @@ class Analysis:
         reason: str,
         inner: Failure | None = None,
         rank: int = REFUSED,
+        hint: str | None = None,
     ):
-        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner, rank)
+        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner, rank, hint)
 
     def distinct_unknowns(self, i: int, eqn: Any, ins: Sequence[bool]) -> bool:
         """False (and a failure) when one unknown value is used twice."""
@@ -234,10 +243,48 @@ class Analysis:
                     self.failures, key=lambda i: (self.failures[i].severity(), i)
                 )
                 best = self.failures[first]
+                if best.rank == WAITING and best.inner is None:
+                    self._explain_residual(first, best)
             raise Stuck(best, unknown)
         return Plan(
             w, self.known_in, self.known_out, tuple(self.steps), dict(self.producer)
         )
+
+    def _explain_residual(self, i: int, failure: Failure) -> None:
+        """Rewords ``failure`` as a residual ``x + f(x)`` when it is one.
+
+        That is: a binary equation whose unknown operands both depend on one
+        unknown value (``x`` and ``f(x)``); two independent unknowns (``a + b``)
+        are not a residual.
+        """
+        if jx.primitive_name(failure.eqn) not in RESIDUAL_PRIMITIVES:
+            return
+        operands = [v for v in self.wiring.eqn_ins[i] if not self.is_known(v)]
+        if len(operands) != 2:
+            return
+        first, second = (self._unknown_sources(v) for v in operands)
+        if not first & second:
+            return
+        op = _OPERATOR.get(jx.primitive_name(failure.eqn), "+")
+        failure.reason = (
+            "both operands depend on the same unknown value, as in a residual "
+            f"x {op} f(x), which cannot be solved for x"
+        )
+        failure.hint = RESIDUAL
+
+    def _unknown_sources(self, v: int) -> set[int]:
+        """``v`` and the unknown values it is computed from."""
+        seen: set[int] = set()
+        stack = [v]
+        while stack:
+            u = stack.pop()
+            if u is None or u in seen or u in self.known:
+                continue
+            seen.add(u)
+            j = self.eqn_of.get(u)
+            if j is not None:
+                stack.extend(self.wiring.eqn_ins[j])
+        return seen
 
     def _add(self, step: Any, produced: Sequence[int | None]) -> list[int]:
         idx = len(self.steps)
@@ -269,7 +316,13 @@ class Analysis:
         rule = registry.get(jx.primitive_name(eqn))
         if rule is None:
             if any(outs):
-                self.fail(i, eqn, f"`{jx.primitive_name(eqn)}` has no inverse rule")
+                name = jx.primitive_name(eqn)
+                reason = f"`{name}` has no inverse rule"
+                if name in ON_STREAM_PRIMITIVES:
+                    reason += ": it loses information"
+                    self.fail(i, eqn, reason, hint=ON_STREAM)
+                else:
+                    self.fail(i, eqn, reason)
             return []
         if rule.structural:
             found = rule.analyze(self, i, eqn, ins, outs)
@@ -300,7 +353,8 @@ class Analysis:
         except NotInvertibleError as e:
             # A refusal with several unknown inputs may only be waiting for them.
             waiting = sum(not k for k in ins) > 1
-            self.fail(i, eqn, str(e), rank=WAITING if waiting else REFUSED)
+            rank = WAITING if waiting else REFUSED
+            self.fail(i, eqn, str(e), rank=rank, hint=hint_of(e))
             return None
         unknown = tuple(n for n, k in enumerate(ins) if not k)
         produced = [self.wiring.eqn_ins[i][n] for n in unknown]

@@ -3,7 +3,11 @@
 The analysis records a :class:`Failure` per equation it could not solve and,
 when it gives up, raises :class:`Stuck`; a front-end turns that into one
 :class:`NotInvertibleError` with :func:`not_invertible`, naming the primitive,
-the reason, the user's source line and the inputs that could not be rebuilt.
+the reason, the user's source line and the inputs that could not be rebuilt,
+and, for the common shapes of refusal (:data:`HINTS`), a second line starting
+with ``try:`` that names the remedy. A failure carries the kind of its hint:
+the analysis sets it for a residual and for a primitive in
+:data:`ON_STREAM_PRIMITIVES`; a rule sets it by raising :func:`refusal`.
 """
 
 from __future__ import annotations
@@ -34,12 +38,60 @@ class RuleError(NotInvertibleError):
 # which is usually a consequence of another failure.
 BROKEN, REFUSED, WAITING = 0, 1, 2
 
+# The kinds of hint, and the one line each adds to an error. A coupling updates
+# one half of the stream from a function of the other, known, half; functions
+# that lose information belong there.
+RESIDUAL, ON_STREAM, CAST, SINGULAR = "residual", "on_stream", "cast", "singular"
+_COUPLING = "y1 = x1 + f(x2); y2 = x2 + g(y1)"
+HINTS = {
+    RESIDUAL: (
+        "try: split the stream into halves and update each from the other, "
+        f"{_COUPLING}, as revnet.blocks.AdditiveCoupling (or AffineCoupling, to "
+        "also scale) does"
+    ),
+    ON_STREAM: (
+        "try: use it only inside a coupling's F or G, on the other half of the "
+        f"stream ({_COUPLING}, as in revnet.blocks.AdditiveCoupling), not on the "
+        "stream itself"
+    ),
+    CAST: (
+        "try: keep the stream in its floating dtype and cast inside a coupling's "
+        "F or G (revnet.blocks.AdditiveCoupling's compute_dtype= does)"
+    ),
+    SINGULAR: (
+        "try: use an invertible matrix (identity- or orthogonal-initialised, or "
+        "LU-parametrised), or apply the layer inside a coupling's F or G"
+    ),
+}
+
+# Primitives without an inverse that lose information on the stream (a
+# reduction, a kink); the hint is to use them inside F or G.
+ON_STREAM_PRIMITIVES = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "argmax",
+        "argmin",
+        "max",
+        "min",
+        "abs",
+        "clamp",
+    }
+)
+
+# Binary primitives whose operands, both depending on one unknown value, make a
+# residual ``x + f(x)`` (or ``x * f(x)``).
+RESIDUAL_PRIMITIVES = frozenset({"add", "add_any", "sub", "mul", "div"})
+
 
 @dataclasses.dataclass
 class Failure:
     """Why one equation could not be solved (``inner``: inside its body).
 
-    ``rank`` is one of :data:`BROKEN`, :data:`REFUSED`, :data:`WAITING`.
+    ``rank`` is one of :data:`BROKEN`, :data:`REFUSED`, :data:`WAITING`;
+    ``hint`` is None or a key of :data:`HINTS`.
     """
 
     eqn: Any
@@ -47,13 +99,18 @@ class Failure:
     where: str
     inner: Failure | None = None
     rank: int = REFUSED
+    hint: str | None = None
 
     def severity(self) -> int:
         """The rank of the deepest failure: the one that is reported."""
+        return self.deepest().rank
+
+    def deepest(self) -> Failure:
+        """The innermost failure: the one that is reported."""
         f = self
         while f.inner is not None:
             f = f.inner
-        return f.rank
+        return f
 
     def describe(self) -> tuple[str, str, str]:
         """``(primitive text, reason, source line)`` of the deepest failure."""
@@ -82,8 +139,35 @@ class Stuck(Exception):
         self.unknown = list(unknown)
 
 
+def refusal(reason: str, *, hint: str) -> NotInvertibleError:
+    """A rule's refusal whose error ends with the hint ``HINTS[hint]``."""
+    if hint not in HINTS:
+        raise ValueError(f"unknown hint {hint!r}; expected one of {sorted(HINTS)}")
+    error = NotInvertibleError(reason)
+    error.hint = hint
+    return error
+
+
+def hint_of(error: NotInvertibleError) -> str | None:
+    """The kind of hint a rule's refusal carries (see :func:`refusal`), or None."""
+    return getattr(error, "hint", None)
+
+
+# Why a call that is not differentiated is refused: the analysis runs when the
+# function is traced, so that a block that cannot be inverted fails at once.
+_WHEN = (
+    "; this is checked when a call is traced, before any gradient, so that it "
+    "fails at the first call"
+)
+
+
 def not_invertible(
-    stuck: Stuck, in_paths: Sequence[str], n_consts: int, fname: str
+    stuck: Stuck,
+    in_paths: Sequence[str],
+    n_consts: int,
+    fname: str,
+    *,
+    traced: bool = True,
 ) -> NotInvertibleError:
     """The user-facing error for ``stuck``.
 
@@ -92,10 +176,14 @@ def not_invertible(
       in_paths: a name for each argument leaf (``args[0]['w']``).
       n_consts: how many leading jaxpr inputs are closed-over constants.
       fname: the user's function name.
+      traced: whether the refusal comes from tracing a call of ``fname`` (the
+        message then says why a call that is not differentiated is refused);
+        False for :func:`revnet.inverse`.
 
     Returns:
-      The error, naming the equation, the reason, the source line and the
-      inputs that cannot be recovered.
+      The error: one line naming the equation, the reason, the source line and
+      the inputs that cannot be recovered, then, for a common shape of refusal,
+      one line starting with ``try:``.
     """
 
     def describe(n: int) -> str:
@@ -103,18 +191,22 @@ def not_invertible(
         return f"input {in_paths[k]}" if 0 <= k < len(in_paths) else f"input {k}"
 
     names = ", ".join(describe(n) for n in stuck.unknown)
+    when = _WHEN if traced else ""
     f = stuck.failure
     if f is None:
         return NotInvertibleError(
             f"{fname} is not invertible: {names} could not be recovered from the "
             "outputs (it does not reach the outputs through invertible equations)"
+            f"{when}"
         )
     prim, reason, where = f.describe()
     where = where or jx.caller_site()
     loc = f" at {where}" if where else ""
+    hint = f.deepest().hint
     return NotInvertibleError(
         f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "
-        f"{names} could not be recovered"
+        f"{names} could not be recovered{when}"
+        + (f"\n{HINTS[hint]}" if hint is not None else "")
     )
 
 
@@ -131,9 +223,21 @@ def show(value: Any) -> str:
 
 
 def degenerate(eqn: Any) -> str:
-    """The run-time message for an inverse that gave a non-finite value."""
+    """The run-time message for an inverse that gave a non-finite value.
+
+    The inverse of ``dot_general`` solves with its known matrix, so a
+    non-finite value there means that matrix is singular (a weight, or a value
+    computed at run time, that the analysis could not see): the message says so,
+    with the hint for a singular matrix.
+    """
     where = jx.where(eqn)
     at = f" at {where}" if where else ""
+    if jx.primitive_name(eqn) == "dot_general":
+        return (
+            f"the inverse of `dot_general`{at} gave a non-finite value from finite "
+            "values: its known matrix is singular (or nearly), so these values "
+            f"cannot be rebuilt\n{HINTS[SINGULAR]}"
+        )
     return (
         f"the inverse of `{jx.primitive_name(eqn)}`{at} gave a non-finite value "
         "from finite values (a zero factor, a singular matrix, a saturated "

@@ -1,7 +1,37 @@
 """Haiku reversible blocks: couplings, O(1)-memory stacks and models.
 
 Every block is plain Haiku code that the core (:func:`revnet.invertible`)
-inverts; a user's own block is inverted exactly like revnet's.
+inverts; a user's own block is inverted exactly like revnet's. Every module
+has an ``inverse`` method.
+
+* :class:`ReversibleSequence`: ``num_layers`` copies of your own block (any
+  Haiku function invertible equation by equation) in one scan whose backward
+  pass stores no activations; ``reversible=False`` runs the same parameters
+  with ordinary backprop, ``anchor_every``/``drift`` bound and read the
+  reconstruction error.
+* :class:`AdditiveCoupling`, :class:`AffineCoupling` (with
+  ``forward_and_log_det``): the couplings, with ``compute_dtype``.
+* :class:`Squeeze`, :class:`ChannelPermutation`, :class:`StageTransition`,
+  :class:`RevNet` (``"revnet38"``, ``"revnet110"``, ``"revnet164"``;
+  :data:`CONFIGS`) and :class:`ReversibleTransformer`: ready-made models.
+* :func:`partition` with :data:`TRANSFORMER_RULES` or :data:`REVNET_RULES`
+  places the parameters on a mesh; :func:`constrain` and the modules'
+  ``activation_sharding=`` shard the residual stream.
+
+README.md's "Haiku models" and "Scaling out" sections show each in use.
+
+Example:
+
+>>> import haiku as hk, jax, jax.numpy as jnp
+>>> from revnet import blocks
+>>> def block(h):
+...     f = lambda a: jnp.tanh(hk.Linear(a.shape[-1])(a))
+...     return blocks.AdditiveCoupling(f, f)(h)
+>>> model = hk.transform(lambda x: blocks.ReversibleSequence(block, 8)(x))
+>>> x = jnp.ones((2, 8))
+>>> params = model.init(jax.random.key(0), x)
+>>> model.apply(params, None, x).shape
+(2, 8)
 """
 
 from revnet.blocks.coupling import AdditiveCoupling, AffineCoupling

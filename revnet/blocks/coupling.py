@@ -25,11 +25,11 @@ from revnet._checks import (
     check_bool,
     check_callable,
     check_choice,
-    check_float_dtype,
     check_real,
 )
 from revnet.blocks._lift import Lifted
 from revnet.blocks._names import check_name
+from revnet.blocks._precision import coupling_compute_dtype
 
 _EXPECTED = _couplings.EXPECTED[1]
 
@@ -84,6 +84,8 @@ class AdditiveCoupling(hk.Module):
             ``x2``. Its parameters live under ``<name>/~/g``.
           compute_dtype: Optional dtype (e.g. ``jnp.bfloat16``) in which ``f`` and
             ``g`` compute; parameters and the residual stream keep their dtype.
+            Left out inside a ``ReversibleSequence`` with a ``compute_dtype``,
+            the sequence's is used.
           name: Name of the module.
 
         Raises:
@@ -95,7 +97,7 @@ class AdditiveCoupling(hk.Module):
         module = self.module_name
         check_callable(module, "f", f)
         check_callable(module, "g", g)
-        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        compute_dtype = coupling_compute_dtype(module, compute_dtype)
         self._f = Lifted(f, self, "f", compute_dtype)
         self._g = Lifted(g, self, "g", compute_dtype)
 
@@ -244,7 +246,7 @@ class AffineCoupling(hk.Module):
         elif scale == "tanh":
             scale_bound = 2.0
         zero_init = check_bool(module, "zero_init", zero_init)
-        compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        compute_dtype = coupling_compute_dtype(module, compute_dtype)
         self._net = Lifted(net, self, "net", compute_dtype, zero_last=zero_init)
         self.scale = scale
         self.scale_bound = scale_bound

@@ -32,11 +32,19 @@ import numpy as np
 
 import revnet
 from revnet._block_checks import check_anchors, check_input
-from revnet._checks import check_bool, check_callable, check_int, check_sharding, fail
+from revnet._checks import (
+    check_bool,
+    check_callable,
+    check_float_dtype,
+    check_int,
+    check_sharding,
+    fail,
+)
 from revnet._engine import show
 from revnet._stack import invert_stack, run_stack
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name
+from revnet.blocks._precision import ComputeDtype
 from revnet.blocks.sharding import constrain, sharded_layer
 
 BlockFn = Callable[..., jax.Array]
@@ -98,6 +106,7 @@ class ReversibleSequence(hk.Module):
         decisions: str = "store",
         kinks: str = "recompute",
         activation_sharding: Any = None,
+        compute_dtype: Any = None,
     ):
         """Constructs the sequence.
 
@@ -135,12 +144,21 @@ class ReversibleSequence(hk.Module):
             mesh's axes Auto inside (``jax.sharding.auto_axes``), so that
             Haiku modules may hold tensor-parallel parameters, and its output
             is resharded to it. See :mod:`revnet.blocks.sharding`.
+          compute_dtype: None, or a floating point dtype (e.g.
+            ``jnp.bfloat16``) in which the residual functions of the couplings
+            in the block (``AdditiveCoupling``, ``AffineCoupling``, and those of
+            ``RevNet``'s and ``ReversibleTransformer``'s blocks) compute, unless
+            a coupling sets its own; parameters and the residual stream keep
+            their dtype, so inversion keeps the stream's accuracy. A block that
+            builds no coupling is refused (cast inside its own residual
+            functions instead).
 
         Raises:
           TypeError: If ``block_fn`` is neither a callable nor a list of
             callables, ``num_layers`` or ``anchor_every`` is not an integer (a
             bool or a float), ``reversible`` is not a bool, or ``drift`` is
-            not a ``revnet.DriftMonitor``.
+            not a ``revnet.DriftMonitor``, or ``compute_dtype`` is not None or a
+            floating point dtype.
           ValueError: If ``num_layers`` is missing, not positive, or given with a
             list of block functions; if ``anchor_every`` is not positive, or
             given (or ``drift``) with a list of block functions.
@@ -156,6 +174,8 @@ class ReversibleSequence(hk.Module):
         except ValueError as e:
             raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
         self.decisions, self.kinks = decisions, kinks
+        self.compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        self._compute = ComputeDtype(self.compute_dtype)
         self.activation_sharding = check_sharding(
             module, "activation_sharding", activation_sharding
         )
@@ -173,7 +193,12 @@ class ReversibleSequence(hk.Module):
                 )
             self.num_layers = check_int(module, "num_layers", num_layers)
             self._lifted = (
-                Lifted(block_fn, self, "layers", num_stacked=self.num_layers),
+                Lifted(
+                    self._compute.scoped(block_fn),
+                    self,
+                    "layers",
+                    num_stacked=self.num_layers,
+                ),
             )
         else:
             expected = "a callable or a non-empty list of callables"
@@ -190,7 +215,12 @@ class ReversibleSequence(hk.Module):
                 )
             self.num_layers = len(block_fns)
             self._lifted = tuple(
-                Lifted(fn, self, f"block_{i}") for i, fn in enumerate(block_fns)
+                Lifted(
+                    self._compute.scoped(fn),
+                    self,
+                    f"block_{i}",
+                )
+                for i, fn in enumerate(block_fns)
             )
         self._stacked = callable(block_fn)
         # The block functions as given (one entry for ``num_layers`` copies),
@@ -234,6 +264,7 @@ class ReversibleSequence(hk.Module):
             kinks=self.kinks,
             name=self.module_name,
         )
+        self._compute.check_used(self.module_name)
         if self._stacked:
             new_states = (new_states,)
         for fn, state in zip(self._lifted, new_states, strict=True):
@@ -261,4 +292,6 @@ class ReversibleSequence(hk.Module):
         """
         y = constrain(y, self.activation_sharding)
         layer, per_layer = self._layers(y, args, kwargs)
-        return invert_stack(layer, per_layer, y, name=self.module_name)
+        x = invert_stack(layer, per_layer, y, name=self.module_name)
+        self._compute.check_used(self.module_name)
+        return x

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import CAST, NotInvertibleError, refusal
 from revnet.rules._solve import InverseRuleFn
 
 
@@ -79,14 +79,16 @@ def convert_element_type(outs, ins, *, new_dtype, in_avals, **params):
     if not (
         jnp.issubdtype(a.dtype, jnp.inexact) and jnp.issubdtype(new_dtype, jnp.inexact)
     ):
-        raise NotInvertibleError(
+        raise refusal(
             f"conversion from {a.dtype} to {np.dtype(new_dtype)} is invertible only "
-            "between floating types"
+            "between floating types",
+            hint=CAST,
         )
     if not _is_widening(a.dtype, new_dtype):
-        raise NotInvertibleError(
+        raise refusal(
             f"conversion from {a.dtype} to {np.dtype(new_dtype)} rounds values "
-            "(narrowing); only widening conversions can be undone"
+            "(narrowing); only widening conversions can be undone",
+            hint=CAST,
         )
     return [lax.convert_element_type(outs[0], a.dtype)]
 

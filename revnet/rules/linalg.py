@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import SINGULAR, NotInvertibleError, refusal
 from revnet.rules._solve import one_unknown, with_value
 
 
@@ -56,6 +56,6 @@ def check_dot_general(statics, **params):
         m = np.asarray(m, np.float64)
         if m.ndim == 2 and m.shape[0] == m.shape[1] and m.size:
             if np.linalg.matrix_rank(m) < m.shape[0]:
-                raise NotInvertibleError(
-                    "the constant matrix of dot_general is singular"
+                raise refusal(
+                    "the constant matrix of dot_general is singular", hint=SINGULAR
                 )

@@ -1,0 +1,92 @@
+"""The compute dtype a ``ReversibleSequence`` hands to the couplings it stacks.
+
+``ReversibleSequence(block_fn, ..., compute_dtype=jnp.bfloat16)`` cannot cast a
+whole block: a cast of the residual stream to a narrower dtype loses
+information, so the block could not be inverted. What can compute in the
+narrower dtype are the residual functions of the couplings inside the block
+(``AdditiveCoupling``'s ``f`` and ``g``, ``AffineCoupling``'s ``net``), while
+the stream keeps its dtype. The sequence runs its block function inside a
+scope that carries the dtype; a coupling built there without a
+``compute_dtype`` of its own takes the scope's, and reports that it did, so
+that a block with no coupling is refused instead of silently running in the
+stream's dtype.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from revnet._checks import check_float_dtype
+
+
+@dataclasses.dataclass
+class _Scope:
+    dtype: Any
+    used: bool = False
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+    "revnet_compute_dtype", default=None
+)
+
+
+def coupling_compute_dtype(module: str, compute_dtype: Any) -> Any:
+    """A coupling's compute dtype: its own, else that of the enclosing sequence.
+
+    Raises:
+      TypeError: If ``compute_dtype`` is not None or a floating point dtype.
+    """
+    dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+    scope = _SCOPE.get()
+    if scope is None:
+        return dtype
+    scope.used = True
+    return scope.dtype if dtype is None else dtype
+
+
+class ComputeDtype:
+    """The compute dtype of one sequence, and whether any coupling took it.
+
+    Args:
+      dtype: None, or the dtype its couplings compute in.
+    """
+
+    def __init__(self, dtype: Any):
+        self.dtype = dtype
+        self.used = False
+
+    def scoped(self, block_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``block_fn`` run in a scope whose couplings compute in the dtype."""
+        if self.dtype is None:
+            return block_fn
+
+        @functools.wraps(block_fn)
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            scope = _Scope(self.dtype)
+            token = _SCOPE.set(scope)
+            try:
+                return block_fn(*args, **kwargs)
+            finally:
+                _SCOPE.reset(token)
+                self.used = self.used or scope.used
+
+        return scoped
+
+    def check_used(self, module: str) -> None:
+        """Refuses a compute dtype that no coupling of the blocks took.
+
+        Raises:
+          ValueError: If the dtype is set and the blocks built no coupling.
+        """
+        if self.dtype is not None and not self.used:
+            raise ValueError(
+                f"{module}: compute_dtype={self.dtype.name} applies to the "
+                "residual functions of the couplings (blocks.AdditiveCoupling, "
+                "blocks.AffineCoupling) in the blocks, and these blocks build "
+                "none; cast inside your own residual functions instead (a cast "
+                "of the stream itself loses information and cannot be inverted)."
+            )

@@ -1,0 +1,196 @@
+"""Refusals of common shapes end with one ``try:`` line naming the remedy.
+
+Each hint is checked on the program a new user writes first: a residual
+``x + f(x)`` (also as a Haiku block in ``ReversibleSequence``), a reduction or a
+kink on the stream, an integer or lossy cast, a known singular matrix. Every
+message is one line, or one line plus the hint; an unrelated refusal gets no
+hint.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from revnet import blocks
+from revnet._engine import errors
+from tests.helpers import runtime_checks
+
+WHY_TRACED = "checked when a call is traced, before any gradient"
+
+
+def _lines(error: BaseException) -> list[str]:
+    lines = str(error).split("\n")
+    assert 1 <= len(lines) <= 2, str(error)
+    return lines
+
+
+def _refusal(fun, x) -> list[str]:
+    """The lines of the error of a plain call of ``invertible(fun)``, checked to
+    be those of its gradient too."""
+    f = revnet.invertible(fun)
+    with pytest.raises(revnet.NotInvertibleError) as call:
+        f(x)
+    with pytest.raises(revnet.NotInvertibleError) as grad:
+        jax.grad(lambda x: f(x).astype(jnp.float32).sum())(x)
+    assert str(grad.value) == str(call.value)
+    return _lines(call.value)
+
+
+def _assert_hint(lines: list[str], *remedy: str) -> None:
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("try: "), lines
+    for word in remedy:
+        assert word in lines[1], lines
+
+
+# --------------------------------------------------------------------------- #
+# A residual x + f(x): split into a coupling.
+
+
+def _residual_block(h):
+    return h + hk.nets.MLP([16, 8])(hk.LayerNorm(-1, True, True)(h))
+
+
+def test_haiku_residual_block_is_told_to_use_a_coupling():
+    model = hk.transform(
+        lambda x: blocks.ReversibleSequence(_residual_block, num_layers=2)(x)
+    )
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        model.init(jax.random.PRNGKey(0), jnp.ones([2, 8]))
+    first, hint = _lines(info.value)
+    assert first.startswith("reversible_sequence is not invertible: "), first
+    assert "cannot solve `add` inside `scan`" in first, first
+    assert "residual x + f(x)" in first and "test_hints.py" in first, first
+    assert WHY_TRACED in first, first
+    _assert_hint([first, hint], "revnet.blocks.AdditiveCoupling", "AffineCoupling")
+    assert "y1 = x1 + f(x2); y2 = x2 + g(y1)" in hint, hint
+
+
+def test_the_coupling_the_hint_names_is_accepted():
+    def mlp(h):
+        return hk.nets.MLP([16, 4])(hk.LayerNorm(-1, True, True)(h))
+
+    model = hk.transform(
+        lambda x: blocks.ReversibleSequence(
+            lambda h: blocks.AdditiveCoupling(mlp, mlp)(h), num_layers=2
+        )(x)
+    )
+    x = jnp.ones([2, 8])
+    params = model.init(jax.random.PRNGKey(0), x)
+    grads = jax.grad(lambda p: model.apply(p, None, x).sum())(params)
+    assert all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads))
+
+
+@pytest.mark.parametrize(
+    "fun,op",
+    [
+        (lambda x: x + jnp.tanh(x), "x + f(x)"),
+        (lambda x: jnp.sum(x, -1, keepdims=True) + x, "x + f(x)"),
+        (lambda x: x * jax.nn.sigmoid(x), "x * f(x)"),
+    ],
+    ids=["x + tanh(x)", "sum(x) + x", "x * sigmoid(x)"],
+)
+def test_residual_is_told_to_use_a_coupling(fun, op):
+    first, hint = _refusal(fun, jnp.ones([2, 4]))
+    assert "cannot solve `" in first and f"residual {op}" in first, first
+    assert WHY_TRACED in first, first
+    _assert_hint([first, hint], "AdditiveCoupling")
+
+
+# --------------------------------------------------------------------------- #
+# A reduction, relu or max on the stream: only inside F or G.
+
+
+@pytest.mark.parametrize(
+    "fun,prim",
+    [
+        (lambda x: jax.nn.relu(x), "`max` inside `custom_jvp_call` (relu)"),
+        (lambda x: jnp.maximum(x, 0.0), "`max`"),
+        (lambda x: x.sum(), "`reduce_sum`"),
+    ],
+    ids=["relu", "maximum", "sum"],
+)
+def test_lossy_function_on_the_stream_is_told_to_go_inside_f_or_g(fun, prim):
+    first, hint = _refusal(fun, jnp.ones([2, 4]))
+    assert f"cannot solve {prim} at " in first, first
+    assert "loses information" in first, first
+    _assert_hint([first, hint], "inside a coupling's F or G", "AdditiveCoupling")
+
+
+# --------------------------------------------------------------------------- #
+# An integer or lossy cast: keep the stream's dtype, cast inside F or G.
+
+
+@pytest.mark.parametrize(
+    "dtype,reason",
+    [(jnp.int32, "float32 to int32"), (jnp.float16, "float32 to float16 rounds")],
+    ids=["int32", "float16"],
+)
+def test_cast_is_told_to_keep_the_stream_dtype(dtype, reason):
+    first, hint = _refusal(lambda x: x.astype(dtype), jnp.ones([2, 4]))
+    assert "cannot solve `convert_element_type`" in first and reason in first, first
+    _assert_hint([first, hint], "floating dtype", "compute_dtype=")
+
+
+# --------------------------------------------------------------------------- #
+# A known singular matrix: use an invertible one.
+
+
+def test_singular_matrix_folded_at_trace_time_is_told_to_use_an_invertible_one():
+    first, hint = _refusal(lambda x: x @ jnp.zeros((4, 4)), jnp.ones([2, 4]))
+    assert "cannot solve `dot_general`" in first and "singular" in first, first
+    _assert_hint([first, hint], "invertible matrix", "F or G")
+
+
+def test_singular_constant_matrix_is_told_at_run_time():
+    # A constant array (not folded from literals) is checked when the backward
+    # pass rebuilds the input: the run-time check reports it, with the hint.
+    f = revnet.invertible(lambda x: x @ jnp.array([[1.0, 1.0], [1.0, 1.0]]))
+    with runtime_checks(True), pytest.raises(revnet.NotInvertibleError) as info:
+        jax.block_until_ready(jax.grad(lambda x: f(x).sum())(jnp.ones([3, 2])))
+    first, hint = _lines(info.value)
+    assert "`dot_general`" in first and "singular" in first, first
+    _assert_hint([first, hint], "invertible matrix")
+
+
+# --------------------------------------------------------------------------- #
+# No wrong hint; the inverse says nothing about traced calls.
+
+
+@pytest.mark.parametrize(
+    "fun,args,reason",
+    [
+        (lambda a, b: a + b, 2, "2 operands are unknown"),
+        (lambda x: x * x, 1, "used more than once"),
+        (lambda x: x**2, 1, "even power"),
+        (jnp.sort, 1, "`sort` has no inverse rule"),
+        (lambda x: x[:, :1], 1, "`slice` has no inverse rule"),
+    ],
+    ids=["a + b", "x * x", "x ** 2", "sort", "dropped slice"],
+)
+def test_unrelated_refusal_gets_no_hint(fun, args, reason):
+    x = jnp.ones([2, 4])
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.invertible(fun)(*[x] * args)
+    (line,) = _lines(info.value)
+    assert reason in line and "residual" not in line and WHY_TRACED in line, line
+
+
+def test_inverse_keeps_the_hint_without_the_traced_call_clause():
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.inverse(lambda x: x + jnp.tanh(x), jnp.ones([2, 4]))
+    first, hint = _lines(info.value)
+    assert "residual x + f(x)" in first and WHY_TRACED not in first, first
+    _assert_hint([first, hint], "AdditiveCoupling")
+
+
+def test_every_hint_is_one_try_line():
+    for kind, hint in errors.HINTS.items():
+        assert hint.startswith("try: ") and "\n" not in hint, kind
+    with pytest.raises(ValueError, match="unknown hint 'other'"):
+        errors.refusal("a reason", hint="other")
