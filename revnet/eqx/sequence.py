@@ -142,10 +142,11 @@ class ReversibleSequence(eqx.Module):
             raise ValueError(f"{_NAME}: {e}".replace("invertible: ", "")) from None
         self.decisions, self.kinks = decisions, kinks
         self.axis_name = axis_name
-        if not (
-            isinstance(key, jax.Array)
-            and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape)
-        ):
+        typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(
+            key.dtype, jax.dtypes.prng_key
+        )
+        raw = isinstance(key, jax.Array) and key.dtype == "uint32" and key.shape == (2,)
+        if not (typed or raw):
             raise fail(_NAME, "key", key, "a PRNG key such as jax.random.key(0)")
         keys = jax.random.split(key, self.num_layers)
         self.blocks = eqx.filter_vmap(make_block)(keys)
