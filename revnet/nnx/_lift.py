@@ -32,6 +32,23 @@ Apply = Callable[[nnx.State, nnx.State, jax.Array], tuple[Any, nnx.State]]
 """``apply(params, state, h) -> (out, new_state)``, pure."""
 
 
+_REFUSED = (
+    "which revnet cannot invert; use NNX's default plain variables "
+    "(nnx.var_defaults(hijax=False, ref=False))."
+)
+
+
+def check_defaults(where: str) -> None:
+    """Refuses to create variables in NNX's hijax or ref mode.
+
+    Raises:
+      TypeError: If ``nnx.var_defaults()`` asks for hijax or ref variables.
+    """
+    defaults = nnx.var_defaults()
+    if defaults.hijax or defaults.ref:
+        raise TypeError(f"{where}: NNX's hijax/ref variable mode is on, {_REFUSED}")
+
+
 def check_vars(where: str, module: nnx.Module) -> None:
     """Refuses hijax and ref variables, which the core cannot trace through.
 
@@ -42,9 +59,7 @@ def check_vars(where: str, module: nnx.Module) -> None:
         if isinstance(var, nnx.Variable) and (var.hijax or var.ref):
             name = "/".join(str(p) for p in path)
             raise TypeError(
-                f"{where}: variable {name!r} is a hijax/ref variable, which revnet "
-                "cannot invert; create the model with nnx.var_defaults(hijax=False, "
-                "ref=False) (NNX's default)."
+                f"{where}: variable {name!r} is a hijax/ref variable, {_REFUSED}"
             )
 
 

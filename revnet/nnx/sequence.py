@@ -119,6 +119,7 @@ class ReversibleSequence(nnx.Module):
         check_callable(_NAME, "block", block)
         num_layers = check_int(_NAME, "num_layers", num_layers)
         check_rngs(_NAME, rngs)
+        _lift.check_defaults(_NAME)
         self.reversible = check_bool(_NAME, "reversible", reversible)
         anchors = check_anchors(_NAME, anchor_every, drift)
         self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
@@ -132,16 +133,16 @@ class ReversibleSequence(nnx.Module):
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return block(rngs=rngs)
+            layer = block(rngs=rngs)
+            if not isinstance(layer, nnx.Module):
+                raise TypeError(
+                    f"{_NAME}: block(rngs=rngs) must create an nnx.Module, got "
+                    f"{type(layer).__name__}."
+                )
+            return layer
 
-        layers = create(rngs)
-        if not isinstance(layers, nnx.Module):
-            raise TypeError(
-                f"{_NAME}: block(rngs=rngs) must create an nnx.Module, got "
-                f"{type(layers).__name__}."
-            )
-        _lift.check_vars(_NAME, layers)
-        self.layers = layers
+        self.layers = create(rngs)
+        _lift.check_vars(_NAME, self.layers)
 
     def _per_layer(self) -> tuple[Callable[..., Any], tuple[Any, Any, None]]:
         graphdef, params, state = _lift.split(_NAME, self.layers)
