@@ -35,7 +35,9 @@ def _layer(w, state, key, h):
     return jnp.concatenate([y1, y2], -1), state + 1
 
 
-@pytest.mark.parametrize("anchor_every", [None, 2])
+@pytest.mark.parametrize(
+    "anchor_every", [None, pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_gradients_and_state_equal_the_plain_scan(anchor_every):
     depth, k = 5, jax.random.key(0)
     w = 0.5 * jax.random.normal(k, (depth, 2, 4, 4))

@@ -1,0 +1,31 @@
+"""The optional front doors name the extra to install when their framework is
+missing (``make test`` passes without them: their tests skip)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+# Front door module, the package it needs, and the extra that installs it.
+DOORS = [("revnet.eqx", "equinox", "equinox")]
+
+
+@pytest.mark.parametrize("module, package, extra", DOORS)
+def test_missing_framework_is_named_in_one_line(module, package, extra):
+    code = (
+        f"import sys; sys.modules[{package!r}] = None\n"
+        "try:\n"
+        f"    import {module}\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "import revnet, revnet.blocks  # the rest still imports\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == f"{module} needs {package}: pip install 'revnet[{extra}]'\n"
