@@ -131,7 +131,9 @@ def check_twins(rev, std, x, cot, dtype=jnp.float32):
     return g_rev
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)]
+)
 def test_gradients_equal_the_twin(dtype):
     with jax.enable_x64(dtype == "float64"):
         rev, std = twins(BLOCKS[dtype], dtype=dtype)
@@ -170,11 +172,10 @@ def test_dropout_is_replayed_from_the_rng_streams():
     eval_rev = nnx.clone(rev)
     eval_rev.eval()
     g_train = check_twins(rev, std, x, cot)
-    # The masks matter: without dropout the gradients differ.
+    # The masks matter: without dropout the input's gradient differs.
     g_eval = grads(eval_rev, x, cot)
-    assert not np.allclose(
-        jax.tree.leaves(g_train[0])[0], jax.tree.leaves(g_eval[0])[0]
-    )
+    gap = np.max(np.abs(g_train[1] - g_eval[1]))
+    assert gap > 0.1 * np.max(np.abs(g_eval[1])), gap
     # A second step draws new masks, and they are replayed too.
     check_twins(rev, std, x, cot)
 
@@ -207,11 +208,12 @@ def test_nnx_jit_optimizer_steps_equal_the_twin():
     history = []
     for _ in range(3):
         losses = [step(m, o) for m, o in zip(models, opts)]
-        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+        np.testing.assert_allclose(losses[0], losses[1], rtol=tolerance("float32"))
         history.append(losses[0])
     assert history[-1] < history[0], "the steps did not train"
     states = [nnx.state(m) for m in models]
-    assert_trees_close(states[0], states[1], 1e-5, "model after three steps")
+    rtol = tolerance("float32")
+    assert_trees_close(states[0], states[1], rtol, "model after three steps")
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ from revnet.nnx.coupling import AdditiveCoupling
 class _Attention(nnx.Module):
     """LayerNorm, self-attention over the time axis, dropout."""
 
-    def __init__(self, width, num_heads, rate, param_dtype, rngs):
+    def __init__(
+        self, width: int, num_heads: int, rate: float, param_dtype: Any, rngs: nnx.Rngs
+    ):
         self.norm = nnx.LayerNorm(width, param_dtype=param_dtype, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
             num_heads,
@@ -34,21 +36,23 @@ class _Attention(nnx.Module):
         )
         self.dropout = nnx.Dropout(rate, rngs=rngs)
 
-    def __call__(self, h):
+    def __call__(self, h: jax.Array) -> jax.Array:
         return self.dropout(self.attention(self.norm(h)))
 
 
 class _MLP(nnx.Module):
     """LayerNorm, a GELU MLP with dropout inside and after it."""
 
-    def __init__(self, width, hidden, rate, param_dtype, rngs):
+    def __init__(
+        self, width: int, hidden: int, rate: float, param_dtype: Any, rngs: nnx.Rngs
+    ):
         self.norm = nnx.LayerNorm(width, param_dtype=param_dtype, rngs=rngs)
         self.hidden = nnx.Linear(width, hidden, param_dtype=param_dtype, rngs=rngs)
         self.out = nnx.Linear(hidden, width, param_dtype=param_dtype, rngs=rngs)
         self.dropout_hidden = nnx.Dropout(rate, rngs=rngs)
         self.dropout_out = nnx.Dropout(rate, rngs=rngs)
 
-    def __call__(self, h):
+    def __call__(self, h: jax.Array) -> jax.Array:
         h = self.dropout_hidden(jax.nn.gelu(self.hidden(self.norm(h))))
         return self.dropout_out(self.out(h))
 
