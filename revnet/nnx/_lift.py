@@ -73,25 +73,22 @@ def split(where: str, module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, Any]
     return nnx.split(module, nnx.Param, ...)
 
 
-def pure(graphdef: nnx.GraphDef, method: str = "__call__") -> Apply:
+def pure(graphdef: nnx.GraphDef) -> Apply:
     """The pure function ``(params, state, h) -> (out, new_state)`` of a module.
 
     Args:
       graphdef: The module's structure, from :func:`split`.
-      method: The method to run on ``h``.
 
     Returns:
-      A function that merges a fresh module (fresh variables, so that it may
-      mutate them under any trace), calls ``method`` on ``h`` and returns its
-      output with the module's new non-parameter state.
+      A function that merges a module with fresh copies of the variables
+      (created under the current trace, so that the module may mutate them
+      even where the values are closed over from outside), calls it on ``h``
+      and returns its output with the module's new non-parameter state.
     """
 
     def apply(params, state, h):
-        # Fresh variables, created under the current trace, so that the module
-        # may mutate them even where the values are closed over from outside.
-        params, state = jax.tree.map(lambda v: v, (params, state))
-        module = nnx.merge(graphdef, params, state)
-        out = getattr(module, method)(h)
+        module = nnx.merge(graphdef, params, state, copy=True)
+        out = module(h)
         _, _, new_state = nnx.split(module, nnx.Param, ...)
         return out, new_state
 
