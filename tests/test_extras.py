@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import ROOT
 
 # Front door module, the package it needs, and the extra that installs it.
-DOORS = [("revnet.eqx", "equinox", "equinox")]
+DOORS = [("revnet.eqx", "equinox", "equinox"), ("revnet.nnx", "flax", "nnx")]
 
 
 @pytest.mark.parametrize("module, package, extra", DOORS)

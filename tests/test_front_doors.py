@@ -29,7 +29,7 @@ from tests.helpers import (
     tolerance,
 )
 
-DOORS = ["haiku", "equinox"]
+DOORS = ["haiku", "equinox", "nnx"]
 
 F64 = pytest.param(jnp.float64, id="f64", marks=pytest.mark.slow)
 DTYPES = [pytest.param(jnp.float32, id="f32"), F64]

@@ -1,0 +1,199 @@
+"""Coupling layers as NNX modules holding their residual submodules.
+
+The arithmetic is the framework-free one of :mod:`revnet._couplings`; the
+residual functions are the submodules themselves, called in place. Inside a
+:class:`~revnet.nnx.ReversibleSequence` the core inverts a coupling like any
+other code; on its own, a coupling differentiates like any NNX module, and
+:meth:`inverse` lifts it into a pure function (``_lift.py``) for
+:func:`revnet.inverse`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from revnet import _couplings
+from revnet._checks import check_callable, check_choice, check_real
+from revnet.nnx import _lift
+
+Residual = Callable[[jax.Array], jax.Array]
+
+
+def _inverse(where: str, module: nnx.Module, y: jax.Array) -> jax.Array:
+    """Runs ``module``'s ``__call__`` backwards from ``y``, reading its state."""
+    graphdef, params, state = _lift.split(where, module)
+    apply = _lift.pure(graphdef)
+
+    def forward(h):
+        return apply(params, state, h)[0]
+
+    forward.__name__ = where
+    return _couplings.invert(forward, y)
+
+
+class AdditiveCoupling(nnx.Module):
+    """Additive coupling, the RevNet block: ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``.
+
+    The last axis of ``x`` is split into halves ``x1, x2``; the inverse is
+    ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)``.
+
+    Example:
+
+    >>> rngs = nnx.Rngs(0)
+    >>> coupling = AdditiveCoupling(
+    ...     nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs))
+    >>> x = jnp.ones([2, 8])
+    >>> bool(jnp.allclose(coupling.inverse(coupling(x)), x, atol=1e-6))
+    True
+    """
+
+    def __init__(self, f: Residual, g: Residual):
+        """Constructs the coupling.
+
+        Args:
+          f: Residual function of ``x2`` returning an array shaped like
+            ``x1``: an ``nnx.Module`` (such as ``nnx.Sequential`` of a
+            ``nnx.Linear``, a ``nnx.BatchNorm`` and a ``nnx.Dropout``) or a
+            plain function.
+          g: Residual function of ``y1`` returning an array shaped like ``x2``.
+
+        Raises:
+          TypeError: If ``f`` or ``g`` is not callable.
+        """
+        self.f = check_callable(type(self).__name__, "f", f)
+        self.g = check_callable(type(self).__name__, "g", g)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
+        y, _ = _couplings.additive(
+            lambda h: (self.f(h), None),
+            lambda h: (self.g(h), None),
+            x,
+            name=type(self).__name__,
+        )
+        return y
+
+    def inverse(self, y: jax.Array) -> jax.Array:
+        """Rebuilds the input from the output ``y``, reading the current state.
+
+        Args:
+          y: Output of this coupling, of shape ``[batch, ..., channels]``.
+
+        Returns:
+          The input ``x`` with ``self(x) == y`` (with the dropout streams as
+          they were before that call: ``nnx.clone`` the module before a
+          training-mode call to replay its masks).
+
+        Raises:
+          ValueError: If the last axis of ``y`` is odd or ``y`` has rank < 2.
+          TypeError: If ``y`` is not floating point.
+        """
+        return _inverse(type(self).__name__, self, y)
+
+
+class AffineCoupling(nnx.Module):
+    """Affine coupling (RealNVP / Glow): ``y = (x1, x2 * a(r) + t)``.
+
+    ``net(x1)`` returns ``[..., 2 * half_channels]``, split into a raw scale
+    ``r`` and a shift ``t``. The scale ``a(r)`` is ``1/2 + sigmoid(r)`` with
+    ``scale="sigmoid"`` (default, in ``(1/2, 3/2)``), ``exp(b * tanh(r / b))``
+    with ``scale="tanh"`` (``b = scale_bound``, default 2) or ``exp(r)`` with
+    ``scale="exp"`` (unbounded); see :class:`revnet.blocks.AffineCoupling` for
+    the conditioning of each. Initialise the net's output layer to zeros
+    (``kernel_init=nnx.initializers.zeros``) to start at the identity.
+
+    Example:
+
+    >>> net = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    >>> y, log_det = AffineCoupling(net).forward_and_log_det(jnp.ones([2, 8]))
+    >>> y.shape, log_det.shape
+    ((2, 8), (2,))
+    """
+
+    def __init__(
+        self,
+        net: Residual,
+        *,
+        scale: str = "sigmoid",
+        scale_bound: float | None = None,
+    ):
+        """Constructs the coupling.
+
+        Args:
+          net: Function of ``x1`` returning ``[..., 2 * half_channels]`` (raw
+            scale, then shift): an ``nnx.Module`` or a plain function.
+          scale: ``"sigmoid"``, ``"tanh"`` or ``"exp"``.
+          scale_bound: With ``scale="tanh"``, the bound of the log-scale
+            (default 2.0); give it with ``"tanh"`` only.
+
+        Raises:
+          TypeError: If ``net`` is not callable, ``scale`` not a string or
+            ``scale_bound`` not a number or None.
+          ValueError: If ``scale`` is not one of the three, or ``scale_bound``
+            is not positive and finite, or is given with another scale.
+        """
+        where = type(self).__name__
+        self.net = check_callable(where, "net", net)
+        self.scale = check_choice(where, "scale", scale, _couplings.SCALES)
+        if scale_bound is not None:
+            scale_bound = check_real(
+                where,
+                "scale_bound",
+                scale_bound,
+                "a positive finite number or None",
+                low=0.0,
+                low_inclusive=False,
+            )
+            if scale != "tanh":
+                raise ValueError(
+                    f"{where}: scale_bound must be None unless scale='tanh' (it "
+                    f"bounds that log-scale), got {scale_bound} with scale={scale!r}."
+                )
+        elif scale == "tanh":
+            scale_bound = 2.0
+        self.scale_bound = scale_bound
+
+    def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Applies the coupling and returns ``log|det dy/dx|`` per example.
+
+        Args:
+          x: Input of shape ``[batch, ..., channels]``.
+
+        Returns:
+          ``(y, log_det)``, ``log_det`` of shape ``[batch]``.
+
+        Raises:
+          ValueError: If the last axis of ``x`` is odd, ``x`` has rank < 2 or
+            ``net`` returns the wrong shape.
+          TypeError: If ``x`` is not floating point.
+        """
+        (y, log_det), _ = _couplings.affine(
+            lambda h: (self.net(h), None),
+            x,
+            scale_kind=self.scale,
+            scale_bound=self.scale_bound,
+            name=type(self).__name__,
+        )
+        return y, log_det
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
+        return self.forward_and_log_det(x)[0]
+
+    def inverse(self, y: jax.Array) -> jax.Array:
+        """Rebuilds the input from the output ``y``, reading the current state.
+
+        Args:
+          y: Output of this coupling, of shape ``[batch, ..., channels]``.
+
+        Returns:
+          The input ``x`` with ``self(x) == y``.
+
+        Raises:
+          ValueError: If the last axis of ``y`` is odd or ``y`` has rank < 2.
+          TypeError: If ``y`` is not floating point.
+        """
+        return _inverse(type(self).__name__, self, y)
