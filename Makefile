@@ -14,8 +14,10 @@ $(STAMP_TEST): setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The front doors' frameworks come with the experiments extra, so that `make
+# test` and CI run their tests; without them those tests skip, naming the extra.
 $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,experiments]'
+	$(PY) -m pip install -q -e '.[test,experiments,nnx,equinox]'
 	touch $@
 
 # The fast tier: every test not marked `slow` (pyproject.toml's markers: the

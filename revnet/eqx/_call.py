@@ -1,0 +1,54 @@
+"""Calling a user's Equinox module with or without ``eqx.nn.State``.
+
+Equinox's convention: a module holding state (an ``eqx.nn.StateIndex``, as
+``eqx.nn.BatchNorm`` does) is called as ``module(x, state, key=key) -> (y,
+state)``; any other as ``module(x, key=key) -> y``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+
+
+def _is_index(leaf: Any) -> bool:
+    return isinstance(leaf, eqx.nn.StateIndex)
+
+
+def holds_state(module: Any) -> bool:
+    """Whether ``module`` holds an ``eqx.nn.StateIndex`` anywhere inside."""
+    return any(_is_index(x) for x in jax.tree.leaves(module, is_leaf=_is_index))
+
+
+def call(
+    where: str,
+    what: str,
+    module: Any,
+    h: jax.Array,
+    state: eqx.nn.State | None,
+    key: jax.Array | None,
+) -> tuple[jax.Array, eqx.nn.State | None]:
+    """``(y, new_substate)`` of ``module`` at ``h``; the substate is None for a
+    module without state.
+
+    Raises:
+      ValueError: If ``module`` holds state and no ``state`` was given, or it
+        returns something other than ``(y, state)`` when given state.
+    """
+    if not holds_state(module):
+        return module(h, key=key), None
+    if state is None:
+        raise ValueError(
+            f"{where}: {what} holds state (such as eqx.nn.BatchNorm); call "
+            f"{where} with the state from eqx.nn.make_with_state: ({where}(x, "
+            "state, key=key))."
+        )
+    out = module(h, state.substate(module), key=key)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            f"{where}: {what} holds state, so it must return (y, state), got "
+            f"{type(out).__name__}."
+        )
+    return out

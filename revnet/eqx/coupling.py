@@ -1,0 +1,256 @@
+"""Equinox couplings: the additive (RevNet) and affine (RealNVP) blocks.
+
+Each is an ``eqx.Module`` holding its residual functions (Equinox modules)
+around the coupling arithmetic all front doors share (``revnet/_couplings.py``).
+Like ``eqx.nn.Linear`` they act on ONE example, ``[..., 2 * half]``, split on
+its last axis; ``jax.vmap`` them, or stack them in a
+:class:`~revnet.eqx.ReversibleSequence`, which does. A residual function
+holding state (``eqx.nn.BatchNorm``) is called as ``f(h, state, key=key)``,
+any other as ``f(h, key=key)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from revnet import _couplings
+from revnet._checks import check_callable, check_choice, check_real
+from revnet.eqx._call import call
+
+
+def _split(key: jax.Array | None, num: int) -> tuple[jax.Array | None, ...]:
+    """``num`` keys drawn from ``key`` in a fixed order (None without one), so
+    that an inverse, which runs ``g`` before ``f``, replays dropout."""
+    return (None,) * num if key is None else tuple(jax.random.split(key, num))
+
+
+def _updated(state: eqx.nn.State | None, *subs: Any) -> eqx.nn.State | None:
+    for sub in subs:
+        if sub is not None:
+            state = state.update(sub)
+    return state
+
+
+class AdditiveCoupling(eqx.Module):
+    """Additive coupling: ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``.
+
+    Its inverse is ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)``.
+
+    Example:
+
+    >>> kf, kg = jax.random.split(jax.random.key(0))
+    >>> block = AdditiveCoupling(
+    ...     eqx.nn.MLP(2, 2, 16, 1, key=kf), eqx.nn.MLP(2, 2, 16, 1, key=kg)
+    ... )
+    >>> x = jnp.ones(4)
+    >>> y = block(x)
+    >>> bool(jnp.allclose(block.inverse(y), x, atol=1e-6))
+    True
+    """
+
+    f: Any
+    g: Any
+
+    def __init__(self, f: Any, g: Any):
+        """Constructs the coupling.
+
+        Args:
+          f: Equinox module (or callable ``f(h, *, key)``) applied to ``x2``,
+            returning an array shaped like ``x1``.
+          g: Equinox module applied to ``y1``, returning an array shaped like
+            ``x2``.
+
+        Raises:
+          TypeError: If ``f`` or ``g`` is not callable.
+        """
+        self.f = check_callable("AdditiveCoupling", "f", f)
+        self.g = check_callable("AdditiveCoupling", "g", g)
+
+    def _forward(self, state, key):
+        kf, kg = _split(key, 2)
+        name = "AdditiveCoupling"
+
+        def forward(h):
+            return _couplings.additive(
+                lambda u: call(name, "f", self.f, u, state, kf),
+                lambda u: call(name, "g", self.g, u, state, kg),
+                h,
+                batch_dims=0,
+                name=name,
+            )
+
+        return forward
+
+    def __call__(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, eqx.nn.State]:
+        """Applies the coupling to one example ``x``; returns ``y``, or ``(y,
+        state)`` when given ``state``."""
+        y, subs = self._forward(state, key)(x)
+        return y if state is None else (y, _updated(state, *subs))
+
+    def inverse(
+        self,
+        y: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Rebuilds the input from the output ``y``.
+
+        Args:
+          y: Output of this coupling for one example.
+          state: The state the call was given (read, not updated).
+          key: The key the call was given, to replay dropout.
+
+        Returns:
+          The input ``x`` with ``self(x) == y`` (up to rounding).
+
+        Raises:
+          ValueError: If the last axis of ``y`` is odd.
+          revnet.NotInvertibleError: If ``f`` or ``g`` cannot be run as needed.
+        """
+        forward = self._forward(state, key)
+        return _couplings.invert(lambda h: forward(h)[0], y)
+
+
+class AffineCoupling(eqx.Module):
+    """Affine coupling: ``y = (x1, x2 * a(r) + t)`` with ``(r, t) = net(x1)``.
+
+    The scale ``a`` is ``1/2 + sigmoid(r)`` (``scale="sigmoid"``, the default,
+    in ``(1/2, 3/2)``), ``exp(b * tanh(r / b))`` (``"tanh"``, ``b =
+    scale_bound``, default 2) or ``exp(r)`` (``"exp"``); see
+    :class:`revnet.blocks.AffineCoupling` for their conditioning. Initialise
+    ``net``'s output layer to zero to start at the identity.
+
+    Example:
+
+    >>> block = AffineCoupling(eqx.nn.MLP(2, 4, 16, 1, key=jax.random.key(0)))
+    >>> y, log_det = block.forward_and_log_det(jnp.ones(4))
+    >>> y.shape, log_det.shape
+    ((4,), ())
+    """
+
+    net: Any
+    scale: str = eqx.field(static=True)
+    scale_bound: float | None = eqx.field(static=True)
+
+    def __init__(
+        self, net: Any, *, scale: str = "sigmoid", scale_bound: float | None = None
+    ):
+        """Constructs the coupling.
+
+        Args:
+          net: Equinox module of ``x1`` returning ``[..., 2 * half]`` (raw scale,
+            then shift).
+          scale: ``"sigmoid"``, ``"tanh"`` or ``"exp"``.
+          scale_bound: With ``scale="tanh"``, the log-scale's bound (default
+            2.0); give it with ``"tanh"`` only.
+
+        Raises:
+          TypeError: If ``net`` is not callable, ``scale`` not a string or
+            ``scale_bound`` not a number.
+          ValueError: If ``scale`` is not one of the three, or ``scale_bound``
+            is not positive or given with another scale.
+        """
+        name = "AffineCoupling"
+        self.net = check_callable(name, "net", net)
+        self.scale = check_choice(name, "scale", scale, _couplings.SCALES)
+        if scale_bound is not None:
+            scale_bound = check_real(
+                name,
+                "scale_bound",
+                scale_bound,
+                "a positive finite number or None",
+                low=0.0,
+                low_inclusive=False,
+            )
+            if scale != "tanh":
+                raise ValueError(
+                    f"{name}: scale_bound must be None unless scale='tanh', got "
+                    f"{scale_bound} with scale={scale!r}."
+                )
+        elif scale == "tanh":
+            scale_bound = 2.0
+        self.scale_bound = scale_bound
+
+    def _forward(self, state, key):
+        name = "AffineCoupling"
+
+        def forward(h):
+            return _couplings.affine(
+                lambda u: call(name, "net", self.net, u, state, key),
+                h,
+                scale_kind=self.scale,
+                scale_bound=self.scale_bound,
+                batch_dims=0,
+                name=name,
+            )
+
+        return forward
+
+    def forward_and_log_det(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> Any:
+        """Applies the coupling to one example and returns ``log|det dy/dx|``.
+
+        Args:
+          x: One example, ``[..., 2 * half]``.
+          state: The model's state, if ``net`` holds any.
+          key: RNG key for ``net`` (dropout).
+
+        Returns:
+          ``(y, log_det)`` (``log_det`` a scalar), or ``((y, log_det), state)``
+          when given ``state``.
+
+        Raises:
+          ValueError: If the last axis of ``x`` is odd or ``net`` returns the
+            wrong shape.
+        """
+        out, sub = self._forward(state, key)(x)
+        return out if state is None else (out, _updated(state, sub))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, eqx.nn.State]:
+        """Applies the coupling to one example; ``y``, or ``(y, state)``."""
+        (y, _), sub = self._forward(state, key)(x)
+        return y if state is None else (y, _updated(state, sub))
+
+    def inverse(
+        self,
+        y: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Rebuilds the input from the output ``y`` (same state and key).
+
+        Args:
+          y: Output of this coupling for one example.
+          state: The state the call was given (read, not updated).
+          key: The key the call was given.
+
+        Returns:
+          The input ``x`` with ``self(x) == y`` (up to rounding).
+
+        Raises:
+          ValueError: If the last axis of ``y`` is odd.
+        """
+        forward = self._forward(state, key)
+        return _couplings.invert(lambda h: forward(h)[0][0], y)

@@ -1,0 +1,208 @@
+"""ReversibleSequence: Equinox's scan over layers, with O(1) activation memory.
+
+As in Equinox's own recipe, ``num_layers`` copies of a block are built with
+``eqx.filter_vmap`` (one module whose array leaves have a leading layer axis)
+and split with ``eqx.partition`` into arrays and the rest. Each layer is the
+pure function ``(params_i, state_i, key_i, h) -> (y, new_state_i)`` that
+``eqx.combine``s its slice back into the block and applies it, vmapped over
+the batch; revnet's framework-free stack (``revnet/_stack.py``) runs the layers
+in one scan inside ONE :func:`revnet.invertible` function, whose backward pass
+rebuilds each layer's input from its output instead of storing it. New
+``eqx.nn.State`` (BatchNorm statistics) comes from the forward pass only; one
+key per layer (and per example) replays dropout exactly. With
+``reversible=False`` the same blocks run in a plain ``lax.scan`` under
+ordinary autodiff: the twin to compare with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+import revnet
+from revnet._block_checks import check_anchors, check_input
+from revnet._checks import check_bool, check_callable, check_int, fail
+from revnet._stack import invert_stack, run_stack
+from revnet.eqx._call import call
+
+_NAME = "ReversibleSequence"
+
+
+def _layer(static: Any, state_given: bool, axis_name: Hashable | None):
+    """The pure layer function of blocks split off ``static``."""
+
+    def layer(params, state, key, h):
+        block = eqx.combine(params, static)
+
+        def one(h, state, key):
+            return call(_NAME, "the block", block, h, state, key)
+
+        if axis_name is None:
+            return one(h, state, key)
+        keys = None if key is None else jax.random.split(key, h.shape[0])
+        batched = jax.vmap(
+            one,
+            in_axes=(0, None, None if keys is None else 0),
+            out_axes=(0, None),
+            axis_name=axis_name,
+        )
+        return batched(h, state, keys)
+
+    return layer
+
+
+class ReversibleSequence(eqx.Module):
+    """``num_layers`` copies of a block whose backward pass stores no activations.
+
+    ``make_block(key)`` builds one shape-preserving block that acts on ONE
+    example (as ``eqx.nn.Linear`` does), such as a
+    :class:`~revnet.eqx.AdditiveCoupling` or a user's own module; called on a
+    batch, the sequence vmaps each block over the leading axis under
+    ``axis_name``, the name an ``eqx.nn.BatchNorm(axis_name="batch")`` inside
+    reduces over. Call it as ``seq(x, key=key)``, or ``seq(x, state,
+    key=key) -> (y, state)`` when its blocks hold state (build it with
+    ``eqx.nn.make_with_state``). It works under ``eqx.filter_jit`` and
+    ``eqx.filter_grad``; differentiate in reverse mode only.
+
+    Example:
+
+    >>> def make_block(key):
+    ...     kf, kg = jax.random.split(key)
+    ...     mlp = lambda k: eqx.nn.MLP(4, 4, 16, 1, activation=jnp.tanh, key=k)
+    ...     return revnet.eqx.AdditiveCoupling(mlp(kf), mlp(kg))
+    >>> seq = revnet.eqx.ReversibleSequence(make_block, 8, key=jax.random.key(0))
+    >>> x = jnp.ones([2, 8])
+    >>> grads = eqx.filter_grad(lambda s, x: s(x).sum())(seq, x)
+    >>> grads.blocks.f.layers[0].weight.shape
+    (8, 16, 4)
+    >>> bool(jnp.allclose(seq.inverse(seq(x)), x, atol=1e-5))
+    True
+    """
+
+    blocks: Any
+    num_layers: int = eqx.field(static=True)
+    reversible: bool = eqx.field(static=True)
+    anchor_every: int | None = eqx.field(static=True)
+    drift: revnet.DriftMonitor | None = eqx.field(static=True)
+    axis_name: Hashable | None = eqx.field(static=True)
+    decisions: str = eqx.field(static=True)
+    kinks: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        make_block: Callable[[jax.Array], Any],
+        num_layers: int,
+        *,
+        key: jax.Array,
+        reversible: bool = True,
+        anchor_every: int | None = None,
+        drift: revnet.DriftMonitor | None = None,
+        axis_name: Hashable | None = "batch",
+        decisions: str = "store",
+        kinks: str = "recompute",
+    ):
+        """Builds ``num_layers`` blocks with ``eqx.filter_vmap(make_block)``.
+
+        Args:
+          make_block: Function of a PRNG key returning one block: an Equinox
+            module called as ``block(h, key=key) -> y``, or ``block(h, state,
+            key=key) -> (y, state)`` if it holds state, on one example.
+          num_layers: Number of blocks.
+          key: PRNG key; split into one key per block.
+          reversible: If False, run the same blocks with ordinary backprop.
+          anchor_every: None, or ``k``: the forward pass stores the stream
+            before every ``k``-th layer and the backward pass restarts its
+            inversion from each, so reconstruction error accumulates over at
+            most ``k`` layers.
+          drift: None, or a :class:`revnet.DriftMonitor` that each backward
+            pass sends the reconstruction error at every anchor to.
+          axis_name: Name of the batch axis the blocks are vmapped over; None
+            to give each block the whole batch instead.
+          decisions: ``"store"`` or ``"recompute"``, see :func:`revnet.invertible`.
+          kinks: ``"recompute"`` or ``"store"``, see :func:`revnet.invertible`.
+
+        Raises:
+          TypeError: If ``make_block`` is not callable, ``num_layers`` or
+            ``anchor_every`` is not an integer, ``reversible`` not a bool,
+            ``drift`` not a ``revnet.DriftMonitor`` or ``key`` not a PRNG key.
+          ValueError: If ``num_layers`` or ``anchor_every`` is not positive, or
+            ``decisions`` or ``kinks`` is unknown.
+        """
+        check_callable(_NAME, "make_block", make_block)
+        self.num_layers = check_int(_NAME, "num_layers", num_layers)
+        self.reversible = check_bool(_NAME, "reversible", reversible)
+        anchors = check_anchors(_NAME, anchor_every, drift)
+        self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
+        try:
+            revnet.invertible(decisions=decisions, kinks=kinks)
+        except ValueError as e:
+            raise ValueError(f"{_NAME}: {e}".replace("invertible: ", "")) from None
+        self.decisions, self.kinks = decisions, kinks
+        self.axis_name = axis_name
+        if not (
+            isinstance(key, jax.Array)
+            and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape)
+        ):
+            raise fail(_NAME, "key", key, "a PRNG key such as jax.random.key(0)")
+        keys = jax.random.split(key, self.num_layers)
+        self.blocks = eqx.filter_vmap(make_block)(keys)
+
+    def _per_layer(self, x, state, key, where):
+        ndim = 1 if self.axis_name is None else 2
+        shape = "[...]" if self.axis_name is None else "[batch, ...]"
+        check_input(f"{_NAME}.{where}", x, min_rank=ndim, expected=shape)
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        substate = None if state is None else state.substate(self.blocks)
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+        layer = _layer(static, state is not None, self.axis_name)
+        return layer, (params, substate, keys)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, eqx.nn.State]:
+        """Applies the blocks to the batch ``x``; returns ``y``, or ``(y,
+        state)`` when given ``state``."""
+        layer, per_layer = self._per_layer(x, state, key, "__call__")
+        y, new_substate = run_stack(
+            layer,
+            per_layer,
+            x,
+            reversible=self.reversible,
+            anchor_every=self.anchor_every,
+            drift=self.drift,
+            decisions=self.decisions,
+            kinks=self.kinks,
+            name=_NAME,
+        )
+        return y if state is None else (y, state.update(new_substate))
+
+    def inverse(
+        self,
+        y: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Rebuilds the input from the output ``y``.
+
+        Args:
+          y: Output of this sequence.
+          state: The state the call was given (read, not updated).
+          key: The key the call was given, to replay dropout.
+
+        Returns:
+          The input ``x`` with ``self(x) == y`` (up to rounding).
+
+        Raises:
+          TypeError: If ``y`` is not a floating point array.
+          revnet.NotInvertibleError: If a block cannot be run backwards.
+        """
+        layer, per_layer = self._per_layer(y, state, key, "inverse")
+        return invert_stack(layer, per_layer, y, name=_NAME)
