@@ -17,4 +17,5 @@ BENCHMARKS = {
     "overhead": "overhead",
     "decisions": "decisions",
     "sharding": "sharding",
+    "front_doors": "front_doors",
 }
