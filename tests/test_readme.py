@@ -166,6 +166,37 @@ def _check_drift(ns, out):
     assert np.all(np.isfinite(latest)), latest
 
 
+def _check_nnx(ns, out):
+    # "equal to the reversible=False twin's": the twin, built from the same
+    # Rngs, takes the same first step.
+    from flax import nnx
+
+    import revnet.nnx
+
+    twin = revnet.nnx.ReversibleSequence(
+        ns["Block"], num_layers=16, rngs=nnx.Rngs(0), reversible=False
+    )
+    optimizer = nnx.Optimizer(twin, ns["optax"].adam(1e-3), wrt=nnx.Param)
+    want = ns["train_step"](twin, optimizer, ns["x"])
+    assert_trees_close(ns["loss"], want, RTOL, "loss")
+    assert float(ns["loss"]) > 0
+
+
+def _check_eqx(ns, out):
+    # The non-reversible twin with the same key takes the same step.
+    import equinox as eqx
+
+    import revnet.eqx
+
+    twin, state = eqx.nn.make_with_state(revnet.eqx.ReversibleSequence)(
+        ns["make_block"], 32, key=jax.random.key(0), reversible=False
+    )
+    opt_state = ns["optimiser"].init(eqx.filter(twin, eqx.is_inexact_array))
+    *_, want = ns["step"](twin, state, opt_state, ns["x"], jax.random.key(2))
+    assert_trees_close(ns["value"], want, RTOL, "loss")
+    assert float(ns["value"]) > 0
+
+
 CHECKS = {
     "x1, x2 = revnet.inverse(net, x, x)(net(x, x))": _check_quick_start,
     "@revnet.custom_ivjp": _check_custom_ivjp,
@@ -175,6 +206,8 @@ CHECKS = {
     "seq.inverse(x) if inverse else seq(x)": _check_ready_made,
     "def leapfrog(state):": _check_loops,
     "anchor_every=16, drift=monitor": _check_drift,
+    "revnet.nnx.ReversibleSequence(Block, num_layers=16": _check_nnx,
+    "eqx.nn.make_with_state(revnet.eqx.ReversibleSequence)": _check_eqx,
 }
 
 # Appended to a subprocess block, where the namespace is not at hand.
