@@ -244,3 +244,20 @@ def test_sharding_tiny(tmp_path):
     rows = tiny("sharding", tmp_path)["rows"]
     temp = {(r["method"], r["mode"], r["depth"]): r["temp_bytes"] for r in rows}
     assert temp["reversible", "auto", 4] == temp["reversible", "auto", 8], temp
+
+
+@pytest.mark.slow
+def test_front_doors_tiny(tmp_path):
+    doors = {d["door"]: d for d in tiny("front_doors", tmp_path)["doors"]}
+    assert sorted(doors) == ["equinox", "haiku", "nnx"]
+    for name, door in doors.items():
+        by = {(r["depth"], r["method"]): r for r in door["rows"]}
+        assert sorted({m for _, m in by}) == ["remat", "reversible", "standard"]
+        (small, large) = sorted({d for d, _ in by})
+        rev = {d: by[d, "reversible"]["temp_bytes"] for d in (small, large)}
+        # Flat in depth (the stacked parameters' own slices aside), below the
+        # standard twin's, and about one forward pass more, like remat.
+        assert rev[large] <= 1.1 * rev[small], (name, rev)
+        assert rev[large] < by[large, "standard"]["temp_bytes"], name
+        flops = by[large, "reversible"]["flops"] / by[large, "remat"]["flops"]
+        assert 0.9 < flops < 1.5, (name, flops)
