@@ -10,7 +10,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from revnet._checks import check_int, check_monitor
+from revnet._checks import check_bool, check_int, check_monitor
+from revnet.invertible import invertible
 
 
 def check_input(
@@ -93,3 +94,42 @@ def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
         "anchor_every": anchor_every,
         "drift": check_monitor(module, "drift", drift),
     }
+
+
+# The options every front door's ``ReversibleSequence`` takes and stores under
+# these names, the keyword arguments of :func:`revnet._stack.run_stack`.
+STACK_OPTIONS = ("reversible", "anchor_every", "drift", "decisions", "kinks")
+
+
+def check_stack_options(
+    module: str,
+    *,
+    reversible: Any,
+    anchor_every: Any,
+    drift: Any,
+    decisions: Any,
+    kinks: Any,
+) -> dict[str, Any]:
+    """Checks a sequence's :data:`STACK_OPTIONS`.
+
+    Returns:
+      The options by name, checked (see :func:`check_anchors`).
+
+    Raises:
+      TypeError: If ``reversible`` is not a bool, ``anchor_every`` not an
+        integer or ``drift`` not a ``revnet.DriftMonitor``.
+      ValueError: If ``anchor_every`` is not positive, or ``decisions`` or
+        ``kinks`` is not one of its choices.
+    """
+    options = {"reversible": check_bool(module, "reversible", reversible)}
+    options.update(check_anchors(module, anchor_every, drift))
+    try:
+        invertible(decisions=decisions, kinks=kinks)
+    except ValueError as e:
+        raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
+    return {**options, "decisions": decisions, "kinks": kinks}
+
+
+def stack_options(sequence: Any) -> dict[str, Any]:
+    """The :data:`STACK_OPTIONS` a sequence stored, for ``run_stack``."""
+    return {name: getattr(sequence, name) for name in STACK_OPTIONS}

@@ -31,9 +31,8 @@ import jax
 import numpy as np
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
+from revnet._block_checks import check_input, check_stack_options, stack_options
 from revnet._checks import (
-    check_bool,
     check_callable,
     check_float_dtype,
     check_int,
@@ -166,14 +165,16 @@ class ReversibleSequence(hk.Module):
         check_name(type(self), name)
         super().__init__(name=name)
         module = self.module_name
-        self.reversible = check_bool(module, "reversible", reversible)
-        anchors = check_anchors(module, anchor_every, drift)
-        self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
-        try:
-            revnet.invertible(decisions=decisions, kinks=kinks)
-        except ValueError as e:
-            raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
-        self.decisions, self.kinks = decisions, kinks
+        options = check_stack_options(
+            module,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            decisions=decisions,
+            kinks=kinks,
+        )
+        for option, value in options.items():
+            setattr(self, option, value)
         self.compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         self._compute = ComputeDtype(self.compute_dtype)
         self.activation_sharding = check_sharding(
@@ -257,11 +258,7 @@ class ReversibleSequence(hk.Module):
             layer,
             per_layer,
             x,
-            reversible=self.reversible,
-            anchor_every=self.anchor_every,
-            drift=self.drift,
-            decisions=self.decisions,
-            kinks=self.kinks,
+            **stack_options(self),
             name=self.module_name,
         )
         self._compute.check_used(self.module_name)

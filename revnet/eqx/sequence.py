@@ -23,8 +23,8 @@ import equinox as eqx
 import jax
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
-from revnet._checks import check_bool, check_callable, check_int, fail
+from revnet._block_checks import check_input, check_stack_options, stack_options
+from revnet._checks import check_callable, check_int, fail
 from revnet._stack import invert_stack, run_stack
 from revnet.eqx._call import call, holds_state, missing_state
 
@@ -133,14 +133,16 @@ class ReversibleSequence(eqx.Module):
         """
         check_callable(_NAME, "make_block", make_block)
         self.num_layers = check_int(_NAME, "num_layers", num_layers)
-        self.reversible = check_bool(_NAME, "reversible", reversible)
-        anchors = check_anchors(_NAME, anchor_every, drift)
-        self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
-        try:
-            revnet.invertible(decisions=decisions, kinks=kinks)
-        except ValueError as e:
-            raise ValueError(f"{_NAME}: {e}".replace("invertible: ", "")) from None
-        self.decisions, self.kinks = decisions, kinks
+        options = check_stack_options(
+            _NAME,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            decisions=decisions,
+            kinks=kinks,
+        )
+        for option, value in options.items():
+            setattr(self, option, value)
         self.axis_name = axis_name
         typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(
             key.dtype, jax.dtypes.prng_key
@@ -177,11 +179,7 @@ class ReversibleSequence(eqx.Module):
             layer,
             per_layer,
             x,
-            reversible=self.reversible,
-            anchor_every=self.anchor_every,
-            drift=self.drift,
-            decisions=self.decisions,
-            kinks=self.kinks,
+            **stack_options(self),
             name=_NAME,
         )
         return y if state is None else (y, state.update(new_substate))

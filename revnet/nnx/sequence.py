@@ -21,8 +21,8 @@ import jax
 from flax import nnx
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
-from revnet._checks import check_bool, check_callable, check_int
+from revnet._block_checks import check_input, check_stack_options, stack_options
+from revnet._checks import check_callable, check_int
 from revnet._stack import invert_stack, run_stack
 from revnet.nnx import _lift
 
@@ -120,14 +120,16 @@ class ReversibleSequence(nnx.Module):
         num_layers = check_int(_NAME, "num_layers", num_layers)
         check_rngs(_NAME, rngs)
         _lift.check_defaults(_NAME)
-        self.reversible = check_bool(_NAME, "reversible", reversible)
-        anchors = check_anchors(_NAME, anchor_every, drift)
-        self.anchor_every, self.drift = anchors["anchor_every"], anchors["drift"]
-        try:
-            revnet.invertible(decisions=decisions, kinks=kinks)
-        except ValueError as e:
-            raise ValueError(f"{_NAME}: {e}".replace("invertible: ", "")) from None
-        self.decisions, self.kinks = decisions, kinks
+        options = check_stack_options(
+            _NAME,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            decisions=decisions,
+            kinks=kinks,
+        )
+        for option, value in options.items():
+            setattr(self, option, value)
         self.num_layers = num_layers
 
         @nnx.split_rngs(splits=num_layers)
@@ -156,11 +158,7 @@ class ReversibleSequence(nnx.Module):
             layer,
             per_layer,
             x,
-            reversible=self.reversible,
-            anchor_every=self.anchor_every,
-            drift=self.drift,
-            decisions=self.decisions,
-            kinks=self.kinks,
+            **stack_options(self),
             name=_NAME,
         )
         nnx.update(self.layers, new_state)
