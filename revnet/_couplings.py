@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 import revnet
 from revnet._block_checks import check_output, check_splittable
+from revnet._checks import check_choice, check_real
 
 Residual = Callable[[jax.Array], tuple[jax.Array, Any]]
 """A residual function ``h -> (out, aux)``."""
@@ -39,6 +40,39 @@ def check_stream(name: str, x: Any, batch_dims: int) -> int:
 
 
 SCALES = ("sigmoid", "tanh", "exp")
+
+
+def check_scale(where: str, scale: Any, scale_bound: Any) -> tuple[str, float | None]:
+    """Checks an affine coupling's ``scale`` and ``scale_bound``.
+
+    Returns:
+      ``(scale, scale_bound)``; ``scale_bound`` is 2.0 for ``"tanh"`` when left
+      out, and None for the other scales.
+
+    Raises:
+      TypeError: If ``scale`` is not a string or ``scale_bound`` not a number.
+      ValueError: If ``scale`` is not one of :data:`SCALES`, or ``scale_bound``
+        is not positive and finite, or is given with another scale.
+    """
+    scale = check_choice(where, "scale", scale, SCALES)
+    if scale_bound is None:
+        return scale, (2.0 if scale == "tanh" else None)
+    scale_bound = check_real(
+        where,
+        "scale_bound",
+        scale_bound,
+        "a positive finite number or None",
+        low=0.0,
+        low_inclusive=False,
+    )
+    if scale != "tanh":
+        raise ValueError(
+            f"{where}: scale_bound must be None unless scale='tanh' (it bounds "
+            f"that log-scale), got {scale_bound} with scale={scale!r}."
+        )
+    return scale, scale_bound
+
+
 """The affine coupling's scale functions (see :func:`scale`)."""
 
 

@@ -24,8 +24,6 @@ from revnet._block_checks import check_splittable
 from revnet._checks import (
     check_bool,
     check_callable,
-    check_choice,
-    check_real,
 )
 from revnet.blocks._lift import Lifted
 from revnet.blocks._names import check_name
@@ -228,23 +226,7 @@ class AffineCoupling(hk.Module):
         super().__init__(name=name)
         module = self.module_name
         check_callable(module, "net", net)
-        scale = check_choice(module, "scale", scale, _couplings.SCALES)
-        if scale_bound is not None:
-            scale_bound = check_real(
-                module,
-                "scale_bound",
-                scale_bound,
-                "a positive finite number or None",
-                low=0.0,
-                low_inclusive=False,
-            )
-            if scale != "tanh":
-                raise ValueError(
-                    f"{module}: scale_bound must be None unless scale='tanh' (it "
-                    f"bounds that log-scale), got {scale_bound} with scale={scale!r}."
-                )
-        elif scale == "tanh":
-            scale_bound = 2.0
+        scale, scale_bound = _couplings.check_scale(module, scale, scale_bound)
         zero_init = check_bool(module, "zero_init", zero_init)
         compute_dtype = coupling_compute_dtype(module, compute_dtype)
         self._net = Lifted(net, self, "net", compute_dtype, zero_last=zero_init)

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 
 from revnet import _couplings
-from revnet._checks import check_callable, check_choice, check_real
+from revnet._checks import check_callable
 from revnet.eqx._call import call
 
 
@@ -162,23 +162,7 @@ class AffineCoupling(eqx.Module):
         """
         name = "AffineCoupling"
         self.net = check_callable(name, "net", net)
-        self.scale = check_choice(name, "scale", scale, _couplings.SCALES)
-        if scale_bound is not None:
-            scale_bound = check_real(
-                name,
-                "scale_bound",
-                scale_bound,
-                "a positive finite number or None",
-                low=0.0,
-                low_inclusive=False,
-            )
-            if scale != "tanh":
-                raise ValueError(
-                    f"{name}: scale_bound must be None unless scale='tanh', got "
-                    f"{scale_bound} with scale={scale!r}."
-                )
-        elif scale == "tanh":
-            scale_bound = 2.0
+        self.scale, scale_bound = _couplings.check_scale(name, scale, scale_bound)
         self.scale_bound = scale_bound
 
     def _forward(self, state, key):

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from revnet import _couplings
-from revnet._checks import check_callable, check_choice, check_real
+from revnet._checks import check_callable
 from revnet.nnx import _lift
 
 Residual = Callable[[jax.Array], jax.Array]
@@ -137,23 +137,7 @@ class AffineCoupling(nnx.Module):
         """
         where = type(self).__name__
         self.net = check_callable(where, "net", net)
-        self.scale = check_choice(where, "scale", scale, _couplings.SCALES)
-        if scale_bound is not None:
-            scale_bound = check_real(
-                where,
-                "scale_bound",
-                scale_bound,
-                "a positive finite number or None",
-                low=0.0,
-                low_inclusive=False,
-            )
-            if scale != "tanh":
-                raise ValueError(
-                    f"{where}: scale_bound must be None unless scale='tanh' (it "
-                    f"bounds that log-scale), got {scale_bound} with scale={scale!r}."
-                )
-        elif scale == "tanh":
-            scale_bound = 2.0
+        self.scale, scale_bound = _couplings.check_scale(where, scale, scale_bound)
         self.scale_bound = scale_bound
 
     def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
