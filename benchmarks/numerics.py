@@ -399,11 +399,15 @@ def plot(rows: list[dict[str, Any]], threshold: float, out: str) -> str:
     axes[0].axhline(
         threshold, color="gray", ls="--", lw=1, label=f"invertible below {threshold:g}"
     )
-    axes[0].legend(fontsize=6, ncol=1)
-    axes[1].legend(fontsize=5, ncol=1)
-    axes[2].legend(fontsize=6, ncol=1)
-    mem.legend(fontsize=6, ncol=1)
+    legends = [  # below the axes: inside, a legend covers points
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+        for ax in axes
+    ]
+    for legend in legends:  # the axes keep their size, the saved PNG grows
+        legend.set_in_layout(False)
     fig.tight_layout()
+    for legend in legends:
+        legend.set_in_layout(True)
     return measure.save_figure(fig, out, NAME)
 
 
