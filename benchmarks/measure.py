@@ -282,9 +282,10 @@ def coinciding(
 ) -> list[str | None]:
     """For each series, the label of an earlier one it would hide, or None.
 
-    Two series coincide when they have the same x values and their y values
-    differ by less than ``tol`` of the plotted y span (in log10 on a log
-    axis) at every x: drawn one over the other, the later one hides the other.
+    Two series coincide when the x values of one are among the other's and
+    their y values differ by less than ``tol`` of the plotted y span (in log10
+    on a log axis) at every shared x: drawn one over the other, the later one
+    hides (that part of) the other.
     """
 
     def f(v: float) -> float | None:
@@ -292,18 +293,21 @@ def coinciding(
             return None
         return math.log10(v) if log_y else v
 
-    ys = [[f(v) for v in s["y"]] for s in series]
-    seen = [v for y in ys for v in y if v is not None]
+    points = [dict(zip(s["x"], (f(v) for v in s["y"]))) for s in series]
+    seen = [v for p in points for v in p.values() if v is not None]
     span = (max(seen) - min(seen)) if seen else 0.0
     span = span or (abs(seen[0]) if seen else 0.0) or 1.0
     out: list[str | None] = []
-    for i, s in enumerate(series):
+    for i, mine in enumerate(points):
         hit = None
-        for j in range(i):
-            same_x = list(series[j]["x"]) == list(s["x"])
-            if same_x and all(
-                a is not None and b is not None and abs(a - b) <= tol * span
-                for a, b in zip(ys[i], ys[j])
+        for j, other in enumerate(points[:i]):
+            shared = mine.keys() & other.keys()
+            nested = shared and shared in (mine.keys(), other.keys())
+            if nested and all(
+                mine[x] is not None
+                and other[x] is not None
+                and abs(mine[x] - other[x]) <= tol * span
+                for x in shared
             ):
                 hit = series[j]["label"]
                 break

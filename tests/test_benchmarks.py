@@ -122,6 +122,18 @@ def test_time_ratios_to_the_best_plain_baseline_and_their_spread():
     assert measure.ratio_spread([1.0], [1.0, 2.0]) is None
 
 
+def test_a_series_lying_on_another_is_named_in_the_legend():
+    series = [
+        {"label": "scan", "x": [1, 2, 4], "y": [1.0, 10.0, 100.0]},
+        {"label": "unrolled", "x": [1, 2], "y": [1.01, 10.1]},  # on scan's part
+        {"label": "flat", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},  # meets it once
+        {"label": "flat copy", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},
+    ]
+    assert measure.coinciding(series, log_y=True) == [None, "scan", None, "flat"]
+    # On a linear axis 1.0 and 1.01 are as close; 10 and 10.1 too (1% of 99).
+    assert measure.coinciding(series[:2], log_y=False) == [None, "scan"]
+
+
 def _memory_results():
     """A synthetic memory sweep: plain (unrolled) FLOPs grow with depth, generic
     lies on reversible, and the best plain baseline changes with depth."""
