@@ -344,13 +344,18 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
     fig, axes = plt.subplots(1, 5, figsize=(26, 4.4))
 
     def lines(ax, rows, x, y, key, styles, scale=1.0):
-        for label, style in styles.items():
+        series = []
+        for label, (marker, ls) in styles.items():
             pts = [(r[x], r[y] / scale) for r in rows if key(r) == label]
             if pts:
-                ax.plot(*zip(*pts), style, label=label)
-        ax.legend(fontsize=7)
+                xs, ys = zip(*pts)
+                series.append({"label": label, "x": xs, "y": ys})
+                series[-1].update(marker=marker, ls=ls, color=f"C{len(series) - 1}")
+        measure.plot_lines(ax, series, log_y=True)  # no series hides another
+        # Below the axes: inside, a legend may cover points.
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 
-    styles = dict(zip(METHODS, ("o-", "x--", "s-", "^-")))
+    styles = dict(zip(METHODS, (("o", "-"), ("x", "--"), ("s", "-"), ("^", "-"))))
     lines(
         axes[0],
         sweep,
@@ -364,7 +369,7 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
         axes[0], "leapfrog steps", "temp of jit(grad) [MiB]", "Backward memory vs steps"
     )
     styles = {
-        f"{m}, {b}": mk + ln
+        f"{m}, {b}": (mk, ln)
         for b, mk in zip(BODIES, "osx")
         for m, ln in (("revnet", "-"), ("checkpointed lax.scan", ":"))
     }
@@ -383,7 +388,9 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
         "body evaluations per gradient",
         "Cost follows steps taken, not max_steps",
     )
-    styles = dict(zip(COMPARE_METHODS, ("o-", "x--", "^-", "s:")))
+    styles = dict(
+        zip(COMPARE_METHODS, (("o", "-"), ("x", "--"), ("^", "-"), ("s", ":")))
+    )
     for ax, body in zip(axes[2:], BODIES):
         rows = [r for r in comparison if r["sweep"] == "steps" and r["body"] == body]
         lines(

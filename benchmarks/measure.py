@@ -8,7 +8,9 @@
 * **Time**: medians over interleaved rounds (each round calls every candidate
   once, in a rotating order) after warm-up, with ``block_until_ready``; in one
   process (:func:`median_times`) or one fresh process per sample
-  (:func:`process_rounds`). Shared machines are noisy: report ratios, min/max.
+  (:func:`process_rounds`). Shared machines are noisy: report medians and
+  their ratios, with the spread as the min and max of per-round ratios
+  (:func:`ratio_spread`; a ratio of two minima is neither).
 * **Peak resident memory** in a fresh process (:func:`run_worker`, and
   :func:`rss_mib` / :func:`reset_peak_rss` inside it).
 * **Output**: JSON with the machine and versions, written atomically.
@@ -105,7 +107,24 @@ def median_times(
         start = time.perf_counter()
         jax.block_until_ready(fns[name]())
         samples[name].append(time.perf_counter() - start)
-    return {name: summarize(s) for name, s in samples.items()}
+    return {name: {**summarize(s), "samples_s": s} for name, s in samples.items()}
+
+
+def ratio_spread(
+    samples: Sequence[float | None], base: Sequence[float | None]
+) -> dict[str, float] | None:
+    """``{"min", "max"}`` of the per-round ratios ``samples[r] / base[r]``.
+
+    Both lists hold one sample per round, in round order (as
+    :func:`median_times` and :func:`process_rounds` interleave them; None for
+    a failed round). The ratio of the two medians lies between these two,
+    unlike the ratio of two minima and of two maxima. None if no round has
+    both samples.
+    """
+    if len(samples) != len(base):
+        return None
+    ratios = [a / b for a, b in zip(samples, base) if a is not None and b]
+    return {"min": min(ratios), "max": max(ratios)} if ratios else None
 
 
 def run_worker(
@@ -138,7 +157,8 @@ def process_rounds(
 
     Compiled programs are shared between rounds through a persistent cache, so
     only timing is repeated. Each entry summarizes the processes' medians and
-    keeps the first worker's other figures, or holds the last ``error``.
+    keeps the first worker's other figures (``samples_s``: each round's median,
+    None where that round failed), or holds the last ``error``.
     """
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in payloads}
     with tempfile.TemporaryDirectory(prefix="revnet-bench-") as cache:
@@ -160,6 +180,7 @@ def process_rounds(
             continue
         medians = [res["median_s"] for res in good]
         out[name] = {**good[0], **summarize(medians), "process_medians_s": medians}
+        out[name]["samples_s"] = [res.get("median_s") for res in results]
     return out
 
 
@@ -254,6 +275,69 @@ def log_axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     ax.set(yscale="log", xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
+
+
+def coinciding(
+    series: Sequence[dict[str, Any]], log_y: bool, tol: float = 0.02
+) -> list[str | None]:
+    """For each series, the label of an earlier one it would hide, or None.
+
+    Two series coincide when the x values of one are among the other's and
+    their y values differ by less than ``tol`` of the plotted y span (in log10
+    on a log axis) at every shared x: drawn one over the other, the later one
+    hides (that part of) the other.
+    """
+
+    def f(v: float) -> float | None:
+        if v is None or not math.isfinite(v) or (log_y and v <= 0):
+            return None
+        return math.log10(v) if log_y else v
+
+    points = [dict(zip(s["x"], (f(v) for v in s["y"]))) for s in series]
+    seen = [v for p in points for v in p.values() if v is not None]
+    span = (max(seen) - min(seen)) if seen else 0.0
+    span = span or (abs(seen[0]) if seen else 0.0) or 1.0
+    out: list[str | None] = []
+    for i, mine in enumerate(points):
+        hit = None
+        for j, other in enumerate(points[:i]):
+            shared = mine.keys() & other.keys()
+            nested = shared and shared in (mine.keys(), other.keys())
+            if nested and all(
+                mine[x] is not None
+                and other[x] is not None
+                and abs(mine[x] - other[x]) <= tol * span
+                for x in shared
+            ):
+                hit = series[j]["label"]
+                break
+        out.append(hit)
+    return out
+
+
+def plot_lines(ax: Any, series: Sequence[dict[str, Any]], log_y: bool) -> None:
+    """Draws ``series`` on ``ax`` so that no series hides another.
+
+    Each series is a dict with ``label``, ``x``, ``y`` and optionally
+    ``yerr`` (``[below, above]``), ``color``, ``marker`` and ``ls`` (default
+    ``"-"``). One that would lie on an earlier one (:func:`coinciding`) is
+    drawn on top, dashed, with larger hollow markers, and its legend label
+    says ``(overlaps <the other>)``.
+    """
+    stacked: dict[str, int] = {}  # series drawn so far over each one
+    for s, under in zip(series, coinciding(series, log_y)):
+        kw = {"color": s.get("color"), "marker": s.get("marker", "o")}
+        kw["ls"], kw["label"] = s.get("ls", "-"), s["label"]
+        if under is not None:
+            n = stacked[under] = stacked.get(under, 0) + 1
+            kw.update(mfc="none", ms=6 + 4 * n, mew=1.5, zorder=2 + n)
+            kw["label"] = f"{s['label']} (overlaps {under})"
+            if kw["ls"] == "-":
+                kw["ls"] = ("--", ":", "-.")[(n - 1) % 3]
+        if s.get("yerr") is not None:
+            ax.errorbar(s["x"], s["y"], yerr=s["yerr"], capsize=3, **kw)
+        else:
+            ax.plot(s["x"], s["y"], **kw)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -2,11 +2,13 @@
 
 For each model of :mod:`benchmarks.models` (an MLP coupling stack, the peers'
 conv stack, the CIFAR-shaped ``RevNet``, the ``ReversibleTransformer``) and
-depth, the same parameters are trained with every method there. Ratios are to
-the ``standard`` twin and to the *best plain* baseline (the faster of ``plain``
-and ``layer_stack``). Per configuration: compiled temp memory, FLOPs (a scan
-body counted once, so the MLP is also measured unrolled at depths 2 and 4 for
-true per-block FLOPs), median step time over interleaved runs, peak RSS of real
+depth, the same parameters are trained with every method there. Step time is
+compared with the *best plain* baseline (the faster of ``plain`` and
+``layer_stack`` at that depth), memory with it and with the ``standard`` twin,
+FLOPs with the twin among scanned stacks only. Per configuration: compiled temp
+memory, FLOPs (a scan body counted once, so the MLP is also measured unrolled
+at depths 2 and 4 for true per-block FLOPs), median step time over interleaved
+runs (and per-round ratios for the spread), peak RSS of real
 training steps in a fresh process, and the largest depth and batch each method
 fits into a memory budget (searched by compiling).
 
@@ -117,15 +119,22 @@ def budgets(model, sizes, rows, budget_mib, batch_too) -> dict[str, Any]:
 
 
 def unrolled_flops(sizes: dict[str, Any], methods: Sequence[str]) -> dict[str, float]:
-    """Per-block FLOPs of the MLP as an unrolled chain, from depths 2 and 4."""
+    """Per-block FLOPs of the MLP as an unrolled chain, from depths 2 and 4.
+
+    ``plain`` is unrolled already; the others are built as unrolled twins.
+    """
     out = {}
     for method in methods:
-        if method == "generic" or method in models.PLAIN_METHODS:
+        if method == "generic" or (
+            method in models.PLAIN_METHODS and method not in models.UNROLLED_METHODS
+        ):
             continue
         flops = []
         for depth in (2, 4):
             spec = {"model": "mlp", "method": method, "depth": depth, **sizes}
-            built = models.build({**spec, "unrolled": True})
+            if method not in models.UNROLLED_METHODS:
+                spec["unrolled"] = True
+            built = models.build(spec)
             flops.append(
                 measure.compile_stats(built.grad_step, *built.args)[1]["flops"]
             )
@@ -134,28 +143,24 @@ def unrolled_flops(sizes: dict[str, Any], methods: Sequence[str]) -> dict[str, f
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Ratios to the standard twin and to the best plain baseline, per depth."""
-    for depth in {r["depth"] for r in rows}:
+    """Per depth: ratios to the best plain baseline, and to the standard twin.
+
+    Time is compared with the best plain baseline only
+    (:func:`models.compare_to_best_plain`). Memory is also compared with the
+    standard twin, and so are FLOPs, but only for scanned methods (``cost_analysis``
+    counts a scan body once, so those are per-block ratios; an unrolled
+    method's count grows with depth and is not comparable).
+    """
+    for depth in sorted({r["depth"] for r in rows}):
         at = {r["method"]: r for r in rows if r["depth"] == depth}
-        timed = [m for m in models.PLAIN_METHODS if m in at]
-        best = at[min(timed, key=lambda m: at[m]["median_s"])] if timed else None
+        models.compare_to_best_plain(at)
         ref = at.get("standard")
+        if ref is None:
+            continue
         for row in at.values():
-            if best is not None:
-                row["best_plain"] = best["method"]
-                row["time_vs_best_plain"] = row["median_s"] / best["median_s"]
-                row["temp_vs_best_plain"] = row["temp_bytes"] / max(
-                    best["temp_bytes"], 1.0
-                )
-            if ref is not None:
-                row["temp_ratio"] = row["temp_bytes"] / max(ref["temp_bytes"], 1.0)
+            row["temp_ratio"] = row["temp_bytes"] / max(ref["temp_bytes"], 1.0)
+            if row["method"] not in models.UNROLLED_METHODS:
                 row["flops_ratio"] = row["flops"] / ref["flops"]
-                for suffix, key in (
-                    ("", "median_s"),
-                    ("_min", "min_s"),
-                    ("_max", "max_s"),
-                ):
-                    row["time_ratio" + suffix] = row[key] / ref[key]
 
 
 def sweep(model: str, depths: list[int], size: str) -> dict[str, Any]:
@@ -214,47 +219,124 @@ def sweep(model: str, depths: list[int], size: str) -> dict[str, Any]:
     return result
 
 
-def plot(results: dict[str, Any], out: str) -> str:
-    """Memory, FLOP ratio and time ratio against depth, one row per model."""
+def best_plain_note(rows: list[dict[str, Any]]) -> str:
+    """Which plain baseline was fastest at which depths: ``"plain (2, 8)"``."""
+    at: dict[str, list[str]] = {}
+    for depth in sorted({r["depth"] for r in rows}):
+        best = next((r.get("best_plain") for r in rows if r["depth"] == depth), None)
+        if best is not None:
+            at.setdefault(best, []).append(str(depth))
+    return "; ".join(f"{m} ({', '.join(d)})" for m, d in at.items())
+
+
+def panels(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One model's three panels: title, y label, log scale and series.
+
+    Memory: every method. FLOPs: the scanned methods only, as ratios to the
+    standard twin (per block: ``cost_analysis`` counts one scan body), the
+    unrolled ones named as left out. Step time: every timed method over the
+    best plain baseline at each depth, bars the min-max of per-round ratios,
+    dodged sideways.
+    """
+    rows = res["rows"]
+    memory, flops, time = [], [], []
+    for method in res["methods"]:
+        mine = [r for r in rows if r["method"] == method]
+        if not mine:
+            continue
+        color, marker = STYLES[method]
+        d = [r["depth"] for r in mine]
+        line = {"label": method, "x": d, "color": color, "marker": marker}
+        memory.append({**line, "y": [r["temp_bytes"] / measure.MIB for r in mine]})
+        if all("flops_ratio" in r for r in mine):
+            flops.append({**line, "y": [r["flops_ratio"] for r in mine]})
+        if all("time_vs_best_plain" in r for r in mine):
+            med = [r["time_vs_best_plain"] for r in mine]
+            lo = [r.get("time_vs_best_plain_min", m) for r, m in zip(mine, med)]
+            hi = [r.get("time_vs_best_plain_max", m) for r, m in zip(mine, med)]
+            err = [
+                [max(m - a, 0.0) for m, a in zip(med, lo)],
+                [max(b - m, 0.0) for m, b in zip(med, hi)],
+            ]
+            time.append({**line, "y": med, "yerr": err})
+    # Bars at one depth are dodged sideways, so that none covers another.
+    for i, line in enumerate(time):
+        shift = 2 ** (0.04 * (i - (len(time) - 1) / 2))
+        line["x"] = [x * shift for x in line["x"]]
+    left_out = [
+        m
+        for m in res["methods"]
+        if m in models.UNROLLED_METHODS and any(r["method"] == m for r in rows)
+    ]
+    flops_title = "FLOPs / standard, per block (scanned: one body counted)"
+    if left_out:
+        flops_title += f"\n{', '.join(left_out)} left out: unrolled, not comparable"
+    return [
+        {
+            "title": "compiled activation memory (MiB)",
+            "ylabel": "temp MiB",
+            "log_y": True,
+            "series": memory,
+        },
+        {
+            "title": flops_title,
+            "ylabel": "FLOPs / standard's",
+            "log_y": False,
+            "series": flops,
+            "hline": (4 / 3, "4/3 (RevNet's recompute)"),
+        },
+        {
+            "title": "step time / best plain\n(median; bars: min-max of per-round "
+            "ratios)",
+            "ylabel": "÷ best plain (faster of plain, layer_stack), log",
+            "log_y": True,  # a slow round on a shared machine stays in view
+            "series": time,
+            "hline": (1.0, f"best plain: {best_plain_note(rows)}"),
+        },
+    ]
+
+
+def figure(results: dict[str, Any]) -> Any:
+    """The matplotlib figure of :func:`plot`: one row of :func:`panels` per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = [m for m, r in results["models"].items() if r.get("rows")]
-    fig, axes = plt.subplots(len(names), 3, figsize=(15, 4 * len(names)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(names), 3, figsize=(16, 5.8 * len(names)), squeeze=False
+    )
     for ax_row, name in zip(axes, names):
         res = results["models"][name]
-        for method in res["methods"]:
-            mine = [r for r in res["rows"] if r["method"] == method]
-            if not mine:
-                continue
-            color, marker = STYLES[method]
-            d = [r["depth"] for r in mine]
-            kw = {"color": color, "marker": marker, "label": method}
-            ax_row[0].plot(d, [r["temp_bytes"] / measure.MIB for r in mine], **kw)
-            ax_row[1].plot(d, [r.get("flops_ratio", float("nan")) for r in mine], **kw)
-            if all("time_ratio" in r for r in mine):
-                med = [r["time_ratio"] for r in mine]
-                lo = [max(m - r["time_ratio_min"], 0) for m, r in zip(med, mine)]
-                hi = [max(r["time_ratio_max"] - m, 0) for m, r in zip(med, mine)]
-                ax_row[2].errorbar(d, med, yerr=[lo, hi], capsize=3, **kw)
         unit = "units per stage" if name == "revnet" else "blocks"
-        titles = (
-            "compiled activation memory (MiB)",
-            "FLOPs / standard (scan body counted once)",
-            "step time / standard (median, min-max)",
-        )
-        ax_row[1].axhline(4 / 3, color="gray", ls="--", lw=1, label="4/3")
-        ax_row[0].set_yscale("log")
-        for ax, title in zip(ax_row, titles):
-            ax.set(title=f"{name}: {title}", xlabel=f"depth ({unit})")
+        for ax, panel in zip(ax_row, panels(res)):
+            measure.plot_lines(ax, panel["series"], panel["log_y"])
+            if "hline" in panel:
+                y, label = panel["hline"]
+                ax.axhline(y, color="gray", ls=":", lw=1.2, label=label)
+            ax.set_title(f"{name}: {panel['title']}", fontsize=10)
+            ax.set(xlabel=f"depth ({unit})", ylabel=panel["ylabel"])
+            if panel["log_y"]:
+                ax.set_yscale("log")
+                plain_numbers = matplotlib.ticker.FormatStrFormatter("%g")
+                ax.yaxis.set_major_formatter(plain_numbers)
+                ax.yaxis.set_minor_formatter(plain_numbers)
             ax.set_xscale("log", base=2)
             ax.set_xticks(res["depths"], [str(d) for d in res["depths"]])
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+            # Below the axes: inside, a legend may cover points or bars.
+            ax.legend(
+                fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14)
+            )
     fig.tight_layout()
-    return measure.save_figure(fig, out, NAME)
+    return fig
+
+
+def plot(results: dict[str, Any], out: str) -> str:
+    """Writes ``<out>/memory.png`` (memory, FLOPs, time vs depth per model)."""
+    return measure.save_figure(figure(results), out, NAME)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -268,36 +350,56 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return measure.write_json(args.out, NAME, results)
 
 
+TABLE_HEAD = ["depth", "method", "temp MiB", "temp / std", "FLOPs / std"]
+TABLE_HEAD += ["step ms (median)", "min–max ms", "time / best plain (median)"]
+TABLE_HEAD += ["per-round ratio min–max", "temp / best plain"]
+
+
+def _span(lo: float | None, hi: float | None, scale: float = 1.0) -> str | None:
+    if lo is None or hi is None:
+        return None
+    return f"{scale * lo:.3g}–{scale * hi:.3g}"
+
+
+def table_row(r: dict[str, Any]) -> list[Any]:
+    """One sweep row under :data:`TABLE_HEAD`; the best plain method is marked."""
+    mark = " (best plain)" if r["method"] == r.get("best_plain") else ""
+    ms = 1e3 * r["median_s"] if "median_s" in r else None
+    return [
+        r["depth"],
+        r["method"] + mark,
+        r["temp_bytes"] / measure.MIB,
+        r.get("temp_ratio"),
+        r.get("flops_ratio"),
+        ms,
+        _span(r.get("min_s"), r.get("max_s"), 1e3),
+        r.get("time_vs_best_plain"),
+        _span(r.get("time_vs_best_plain_min"), r.get("time_vs_best_plain_max")),
+        r.get("temp_vs_best_plain"),
+    ]
+
+
 def markdown(results: dict, out: str) -> str:
     """Per model: the sweep table, unrolled FLOPs, budgets and RSS."""
     parts = [
         "## Memory, FLOPs and time vs depth",
         "The same parameters trained every way (see `benchmarks/models.py`): "
-        "`plain` (a Python loop of the blocks) and `layer_stack` are what a user "
-        "writes without revnet; *best plain* is the faster of them at each depth. "
-        "Memory is the compiled `temp_size_in_bytes`; FLOPs from `cost_analysis()` "
-        "count a scan body once, so they are per-block ratios of scanned stacks "
-        "(the unrolled MLP gives the true per-block cost). Step time: median over "
-        "interleaved runs, min/max the ratio of the fastest (slowest) runs.",
+        "`plain` (a Python loop of the blocks, unrolled) and `layer_stack` are "
+        "what a user writes without revnet; *best plain* is the faster of them "
+        "at each depth, the baseline of every step-time ratio. Memory is the "
+        "compiled `temp_size_in_bytes`. FLOPs from `cost_analysis()` count a scan "
+        "body once, so they are compared only between scanned stacks, where the "
+        "ratio to `standard` is per block; unrolled `plain` has none (—), and the "
+        "unrolled MLP twins give the true per-block cost. Step time: the median "
+        "over interleaved runs, with the fastest and slowest run (ms); the ratio "
+        "to best plain is that of the medians, with the smallest and largest "
+        "ratio of one round's two runs.",
         f"![memory]({NAME}.png)",
     ]
     for name, res in results["models"].items():
         missing = f" Missing: {res['missing']}" if res["missing"] else ""
         parts.append(f"### {name}\n\nSizes: `{res['sizes']}`.{missing}")
-        keys = ("temp_ratio", "flops_ratio", "time_ratio", "time_ratio_min")
-        keys += ("time_ratio_max", "time_vs_best_plain", "temp_vs_best_plain")
-        head = ["depth", "method", "temp MiB", "temp / std", "FLOPs / std"]
-        head += ["time / std", "min", "max", "time / best plain", "temp / best plain"]
-        parts.append(
-            measure.table(
-                head,
-                [
-                    [r["depth"], r["method"], r["temp_bytes"] / measure.MIB]
-                    + [r.get(k) for k in keys]
-                    for r in res["rows"]
-                ],
-            )
-        )
+        parts.append(measure.table(TABLE_HEAD, [table_row(r) for r in res["rows"]]))
         flops = res.get("unrolled_flops") or {}
         if flops.get("standard"):
             rows = [[m, f, f / flops["standard"]] for m, f in flops.items()]

@@ -323,6 +323,10 @@ def build(
 
 
 PLAIN_METHODS = ("plain", "layer_stack")
+# Methods whose compiled step is an unrolled chain of blocks; the others scan
+# one block, which ``cost_analysis`` counts once: their FLOPs are comparable
+# with each other (per block), not with these.
+UNROLLED_METHODS = ("plain",)
 _STACKED = "/~/layers/"
 
 
@@ -361,13 +365,19 @@ def plain_interceptor(method: str) -> Callable[..., Any]:
 def compare_to_best_plain(stats: dict[str, dict[str, Any]]) -> str | None:
     """Adds ratios to the best plain baseline to each method's measurements.
 
+    The one place the benchmarks (``memory``, ``speed``) pick the baseline of
+    their step-time ratios.
+
     Args:
-      stats: ``{method: {"median_s", "temp_bytes", ...}}`` at one depth.
+      stats: ``{method: {"median_s", "temp_bytes", "samples_s", ...}}`` at one
+        depth, ``samples_s`` one time per interleaved round.
 
     Returns:
       The best plain method, the faster (median step time) of those in
       :data:`PLAIN_METHODS` that were timed, or None if none was. Every timed
-      entry gains ``time_vs_best_plain`` and ``temp_vs_best_plain``.
+      entry gains ``best_plain``, ``time_vs_best_plain`` (the ratio of the
+      medians), ``temp_vs_best_plain`` and, from the per-round ratios,
+      ``time_vs_best_plain_min`` and ``_max`` (:func:`measure.ratio_spread`).
     """
     timed = [m for m in PLAIN_METHODS if "median_s" in stats.get(m, {})]
     if not timed:
@@ -376,10 +386,17 @@ def compare_to_best_plain(stats: dict[str, dict[str, Any]]) -> str | None:
     best = stats[name]
     for entry in stats.values():
         if "median_s" in entry:
+            entry["best_plain"] = name
             entry["time_vs_best_plain"] = entry["median_s"] / best["median_s"]
             entry["temp_vs_best_plain"] = entry["temp_bytes"] / max(
                 best["temp_bytes"], 1.0
             )
+            spread = measure.ratio_spread(
+                entry.get("samples_s", []), best.get("samples_s", [])
+            )
+            if spread is not None:
+                entry["time_vs_best_plain_min"] = spread["min"]
+                entry["time_vs_best_plain_max"] = spread["max"]
     return name
 
 

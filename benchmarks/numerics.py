@@ -318,7 +318,11 @@ def plot(rows: list[dict[str, Any]], threshold: float, out: str) -> str:
     keys = (
         ("reconstruction_rel_error", "reconstruction |x' - x| / |x|"),
         ("grad_rel_error_reversible", "reversible gradient error vs float64"),
-        ("grad_rel_error_standard", "standard backprop gradient error vs float64"),
+        (
+            "grad_rel_error_standard",
+            "standard backprop gradient error vs float64\n"
+            "(float64 left out: it is the reference)",
+        ),
     )
     colors = {"additive": "tab:green", "affine_default": "tab:purple"}
     colors.update(affine_bounded="tab:blue", affine_unbounded="tab:red")
@@ -331,62 +335,79 @@ def plot(rows: list[dict[str, Any]], threshold: float, out: str) -> str:
 
     couplings = list(dict.fromkeys(r["coupling"] for r in rows))
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
-    for ax, (key, title) in zip(axes, keys):
+    series: list[list[dict[str, Any]]] = [[], [], [], []]
+    for n, (key, _) in enumerate(keys):
         for coupling in couplings:
             for dtype in dtypes:
+                if key == "grad_rel_error_standard" and dtype == "float64":
+                    continue  # the float64 reference itself: 0 by construction
                 mine = _series(rows, coupling, dtype)
-                ax.plot(
-                    [r["depth"] for r in mine],
-                    [finite(r[key]) for r in mine],
-                    styles[dtype],
-                    color=colors[coupling],
-                    label=f"{coupling} {dtype}",
+                series[n].append(
+                    {
+                        "label": f"{coupling} {dtype}",
+                        "x": [r["depth"] for r in mine],
+                        "y": [finite(r[key]) for r in mine],
+                        "color": colors[coupling],
+                        "marker": styles[dtype][-1],
+                        "ls": styles[dtype][:-1],
+                    }
                 )
-        ax.axhline(ceiling, color="black", lw=0.8, ls=":")
+    # Anchored float32 gradients next to the unanchored ones, and memory.
+    for coupling in couplings:
+        mine = _series(rows, coupling, "float32")
+        if not mine:
+            continue
+        line = {"x": [r["depth"] for r in mine], "color": colors[coupling]}
+        series[3].append(
+            {
+                **line,
+                "label": f"{coupling} no anchors",
+                "y": [r["temp_vs_standard"] for r in mine],
+                "marker": "o",
+            }
+        )
+        for n, k in enumerate(mine[0]["anchored"]):
+            line.update(marker=("x", "+", "d", "v")[n % 4], ls="-.")
+            series[1].append(
+                {
+                    **line,
+                    "label": f"{coupling} float32 anchor_every={k}",
+                    "y": [finite(r["anchored"][k]["grad_rel_error"]) for r in mine],
+                }
+            )
+            series[3].append(
+                {
+                    **line,
+                    "label": f"{coupling} anchor_every={k}",
+                    "y": [r["anchored"][k]["temp_vs_standard"] for r in mine],
+                }
+            )
+    for ax, (_, title), lines in zip(axes, keys, series):
+        measure.plot_lines(ax, lines, log_y=True)
+        ax.axhline(ceiling, color="black", lw=0.8, ls=":", label="non-finite")
         measure.log_axes(
             ax, "depth (blocks)", "relative error (non-finite at 1e3)", title
         )
-    # Anchored float32 gradients next to the unanchored ones, and memory.
     mem = axes[3]
-    for coupling in couplings:
-        mine = _series(rows, coupling, "float32")
-        depths = [r["depth"] for r in mine]
-        if not mine:
-            continue
-        mem.plot(
-            depths,
-            [r["temp_vs_standard"] for r in mine],
-            "-o",
-            color=colors[coupling],
-            label=f"{coupling} no anchors",
-        )
-        for n, k in enumerate(mine[0]["anchored"]):
-            marker = ("x", "+", "d", "v")[n % 4]
-            axes[1].plot(
-                depths,
-                [finite(r["anchored"][k]["grad_rel_error"]) for r in mine],
-                f"-.{marker}",
-                color=colors[coupling],
-                label=f"{coupling} float32 anchor_every={k}",
-            )
-            mem.plot(
-                depths,
-                [r["anchored"][k]["temp_vs_standard"] for r in mine],
-                f"-.{marker}",
-                color=colors[coupling],
-                label=f"{coupling} anchor_every={k}",
-            )
+    measure.plot_lines(mem, series[3], log_y=True)
     measure.log_axes(
         mem,
         "depth (blocks)",
         "temp bytes / standard backprop's",
         "activation memory of the backward pass (float32)",
     )
-    axes[0].axhline(threshold, color="gray", ls="--", lw=1)
-    axes[0].legend(fontsize=6, ncol=1)
-    axes[1].legend(fontsize=5, ncol=1)
-    mem.legend(fontsize=6, ncol=1)
+    axes[0].axhline(
+        threshold, color="gray", ls="--", lw=1, label=f"invertible below {threshold:g}"
+    )
+    legends = [  # below the axes: inside, a legend covers points
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+        for ax in axes
+    ]
+    for legend in legends:  # the axes keep their size, the saved PNG grows
+        legend.set_in_layout(False)
     fig.tight_layout()
+    for legend in legends:
+        legend.set_in_layout(True)
     return measure.save_figure(fig, out, NAME)
 
 

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from benchmarks import measure
+
 NAME = "train"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
@@ -37,22 +39,34 @@ def _plot(results: dict, out: str) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = {"digits": f"{NAME}_digits.png", "while_loop": f"{NAME}_while_loop.png"}
     history = results["digits"]["history"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     epochs = [r["epoch"] for r in history]
-    for twin, style in (("reversible", "o-"), ("standard", "x--")):
-        ax1.plot(epochs, [r["loss"][twin] for r in history], style, label=twin)
-        ax2.plot(epochs, [r["test_accuracy"][twin] for r in history], style)
+    for ax, key, log_y in ((ax1, "loss", True), (ax2, "test_accuracy", False)):
+        twins = [
+            {"label": twin, "x": epochs, "y": [r[key][twin] for r in history]}
+            | {"marker": marker, "color": f"C{n}"}
+            for n, (twin, marker) in enumerate((("reversible", "o"), ("standard", "x")))
+        ]
+        measure.plot_lines(ax, twins, log_y)  # the twins may coincide
     ax1.set(xlabel="epoch", ylabel="mean training loss", yscale="log")
     ax2.set(xlabel="epoch", ylabel="test accuracy")
+    ax1.set_title("digits: training loss, twins from one init", fontsize=10)
+    ax2.set_title("digits: test accuracy", fontsize=10)
+    for ax in (ax1, ax2):  # whole epochs
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax1.legend()
+    ax2.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, names["digits"]), dpi=90)
     fig, ax = plt.subplots(figsize=(5, 3.6))
     ax.semilogy(results["while_loop"]["losses"])
     ax.set(xlabel="adam step", ylabel="MSE of final (q, p)")
+    ax.set_title("leapfrog through revnet.while_loop: training loss", fontsize=10)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(os.path.join(out, names["while_loop"]), dpi=90)
     plt.close("all")

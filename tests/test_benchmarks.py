@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import BENCHMARKS, measure, models, overhead, run
+from benchmarks import BENCHMARKS, measure, memory, models, overhead, run
 from tests.helpers import assert_trees_close, tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +90,130 @@ def test_report_from_stored_json_without_running(tmp_path):
         "decisions.json",
         "memory.json",
     ]
+
+
+def test_time_ratios_to_the_best_plain_baseline_and_their_spread():
+    # Three interleaved rounds; layer_stack is the faster plain baseline.
+    samples = {
+        "plain": [2.0, 2.2, 2.1],
+        "layer_stack": [1.0, 3.0, 1.1],
+        "reversible": [1.5, 1.6, 1.4],
+    }
+    stats = {m: {**measure.summarize(t), "samples_s": t} for m, t in samples.items()}
+    for m in stats:
+        stats[m]["temp_bytes"] = 100.0
+    assert models.compare_to_best_plain(stats) == "layer_stack"
+    rev = stats["reversible"]
+    assert rev["best_plain"] == "layer_stack"
+    assert rev["time_vs_best_plain"] == pytest.approx(1.5 / 1.1)
+    # Per-round ratios 1.5, 0.533, 1.273: not the ratio of the two minima
+    # (1.4) nor of the maxima (0.533), which would make "min" exceed "max".
+    assert rev["time_vs_best_plain_min"] == pytest.approx(1.6 / 3.0)
+    assert rev["time_vs_best_plain_max"] == pytest.approx(1.5)
+    for entry in stats.values():
+        lo, hi = entry["time_vs_best_plain_min"], entry["time_vs_best_plain_max"]
+        assert lo <= entry["time_vs_best_plain"] <= hi
+    assert stats["layer_stack"]["time_vs_best_plain"] == 1.0
+    # A failed round (None) is left out of the pairs, not shifted.
+    assert measure.ratio_spread([1.0, None, 3.0], [1.0, 1.0, 2.0]) == {
+        "min": 1.0,
+        "max": 1.5,
+    }
+    assert measure.ratio_spread([1.0], [1.0, 2.0]) is None
+
+
+def test_a_series_lying_on_another_is_named_in_the_legend():
+    series = [
+        {"label": "scan", "x": [1, 2, 4], "y": [1.0, 10.0, 100.0]},
+        {"label": "unrolled", "x": [1, 2], "y": [1.01, 10.1]},  # on scan's part
+        {"label": "flat", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},  # meets it once
+        {"label": "flat copy", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},
+    ]
+    assert measure.coinciding(series, log_y=True) == [None, "scan", None, "flat"]
+    # On a linear axis 1.0 and 1.01 are as close; 10 and 10.1 too (1% of 99).
+    assert measure.coinciding(series[:2], log_y=False) == [None, "scan"]
+
+
+def _memory_results():
+    """A synthetic memory sweep: plain (unrolled) FLOPs grow with depth, generic
+    lies on reversible, and the best plain baseline changes with depth."""
+    times = {  # method: (depth 2, depth 8) per-round samples
+        "standard": ([3.0, 3.1], [9.0, 9.2]),
+        "reversible": ([2.0, 2.1], [6.0, 6.3]),
+        "generic": ([2.0, 2.2], [6.1, 6.2]),
+        "plain": ([1.0, 1.1], [8.0, 8.1]),
+        "layer_stack": ([1.5, 1.6], [7.0, 7.2]),
+    }
+    temp = {"standard": 4.0, "reversible": 1.0, "generic": 1.0, "plain": 3.0}
+    temp["layer_stack"] = 4.0
+    flops = {"standard": 3.0, "reversible": 4.0, "generic": 4.0, "layer_stack": 3.0}
+    rows = []
+    for i, depth in enumerate((2, 8)):
+        for method, samples in times.items():
+            row = {"depth": depth, "method": method, **measure.summarize(samples[i])}
+            row["samples_s"] = samples[i]
+            row["temp_bytes"] = temp[method] * depth * measure.MIB
+            if method == "reversible" or method == "generic":
+                row["temp_bytes"] = temp[method] * measure.MIB
+            row["flops"] = flops.get(method, 3.0 * depth)
+            rows.append(row)
+    memory.add_ratios(rows)
+    res = {"sizes": {}, "depths": [2, 8], "methods": list(times), "rows": rows}
+    return {"size": "tiny", "models": {"mlp": {**res, "missing": {}}}}
+
+
+def test_memory_plot_titles_and_legends_agree():
+    import matplotlib.pyplot as plt
+
+    results = _memory_results()
+    fig = memory.figure(results)
+    try:
+        mem_ax, flops_ax, time_ax = fig.axes
+        labels = [
+            [t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes
+        ]
+        # Every method plotted is in the legend, and generic is not hidden.
+        assert labels[0] == [
+            "standard",
+            "reversible",
+            "generic (overlaps reversible)",
+            "plain",
+            "layer_stack (overlaps standard)",
+        ]
+        # FLOPs: only the scanned stacks, the unrolled one named as left out.
+        assert "plain" not in " ".join(labels[1])
+        assert "per block" in flops_ax.get_title()
+        assert "plain left out" in flops_ax.get_title()
+        # Time: over the best plain baseline, named with its depths.
+        assert "step time / best plain" in time_ax.get_title()
+        assert "best plain: plain (2); layer_stack (8)" in labels[2]
+        assert "best plain" in time_ax.get_ylabel()
+        assert not fig._suptitle  # panel titles say it all, nothing collides
+    finally:
+        plt.close(fig)
+    rows = results["models"]["mlp"]["rows"]
+    by = {(r["method"], r["depth"]): r for r in rows}
+    assert "flops_ratio" not in by["plain", 8]
+    assert by["reversible", 8]["flops_ratio"] == pytest.approx(4 / 3)
+    assert by["reversible", 8]["time_vs_best_plain"] == pytest.approx(6.15 / 7.1)
+
+
+def test_memory_table_columns_are_what_their_headings_say():
+    results = _memory_results()
+    text = memory.markdown(results, "unused")
+    head = "| " + " | ".join(memory.TABLE_HEAD) + " |"
+    assert head in text
+    rows = [line for line in text.splitlines() if line.startswith("| 8 | ")]
+    cells = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in rows}
+    col = {name: i for i, name in enumerate(memory.TABLE_HEAD)}
+    rev = cells["reversible"]
+    assert rev[col["step ms (median)"]] == "6.15e+03"
+    assert rev[col["min–max ms"]] == "6e+03–6.3e+03"
+    assert rev[col["FLOPs / std"]] == "1.33"
+    assert cells["plain"][col["FLOPs / std"]] == "—"
+    assert "layer_stack (best plain)" in cells
+    lo, hi = map(float, rev[col["per-round ratio min–max"]].split("–"))
+    assert lo <= float(rev[col["time / best plain (median)"]]) <= hi
 
 
 @pytest.mark.parametrize("name", ENTRIES)
@@ -163,6 +287,10 @@ def test_memory_tiny(tmp_path):
         assert by["generic", top][key] <= 1.05 * by["reversible", top][key]
     for row in mlp["rows"]:
         assert row["best_plain"] in models.PLAIN_METHODS and row["median_s"] > 0
+        lo, hi = row["time_vs_best_plain_min"], row["time_vs_best_plain_max"]
+        assert lo <= row["time_vs_best_plain"] <= hi
+        assert row["min_s"] <= row["median_s"] <= row["max_s"]
+    assert "flops_ratio" not in by["plain", top]  # unrolled: not comparable
     fits = mlp["budget"]
     assert fits["reversible"]["largest_depth"] > fits["standard"]["largest_depth"]
     assert os.path.getsize(tmp_path / "memory.png") > 10_000
@@ -172,7 +300,7 @@ def test_memory_tiny(tmp_path):
 def test_speed_tiny(tmp_path):
     for row in tiny("speed", tmp_path)["rows"]:
         assert set(row["methods"]) == {"plain", "layer_stack", "reversible"}
-        assert row["methods"][row["best_plain"]]["median_vs_best_plain"] == 1.0
+        assert row["methods"][row["best_plain"]]["time_vs_best_plain"] == 1.0
         for stats in row["methods"].values():
             assert stats["median_s"] > 0 and stats["temp_bytes"] > 0
 

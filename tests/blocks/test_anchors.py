@@ -1,9 +1,10 @@
 """Anchored reversible stacks: accuracy at depth, memory, and composition.
 
-The must-hold figures use the numerics experiment's own float32 depth-128
-stacks (``benchmarks.numerics``: random, non-identity parameters). Gradient
-errors are relative L2 errors against float64 backprop; memory is the compiled
-``temp_size_in_bytes`` of ``jit(grad)``.
+The must-hold figures use the numerics experiment's own depth-128 stacks
+(``benchmarks.numerics``: random, non-identity parameters). Anchored float32
+gradient errors are relative L2 errors against float64 backprop; the default
+affine scale is checked against its standard twin in float64; memory is the
+compiled ``temp_size_in_bytes`` of ``jit(grad)``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import pytest
 import revnet
 from benchmarks import numerics
 from revnet import blocks
-from tests.helpers import assert_trees_close, cast_floats, run_python, temp_bytes
+from tests.helpers import (
+    assert_trees_close,
+    cast_floats,
+    run_python,
+    temp_bytes,
+    tolerance,
+)
 
 pytestmark = pytest.mark.slow  # depth-128 stacks and subprocesses
 
@@ -67,28 +74,31 @@ def test_anchor_every_16_at_depth_128(coupling):
     assert temp_anchored <= temp_std / 8, (temp_anchored, temp_std)
 
 
-def _errors(coupling, args, x, c):
-    """Reconstruction and reversible gradient error, no anchors, float32."""
-    std, _ = numerics.model(coupling, DEPTH, args, reversible=False)
-    rev, inv = numerics.model(coupling, DEPTH, args, reversible=True)
-    params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
-    with jax.enable_x64(True):
-        ref = jax.jit(_grad_fn(std))(
-            *(cast_floats(t, jnp.float64) for t in (params, x, c))
-        )
-        g_rev = jax.jit(_grad_fn(rev))(params, x, c)
-        rebuilt = jax.jit(inv.apply)(params, None, jax.jit(rev.apply)(params, None, x))
-        return numerics.rel_error(rebuilt, x), numerics.rel_error(g_rev, ref)
+def test_the_default_affine_scale_matches_its_standard_twin_at_depth_128():
+    """The default scale's reversible stack agrees with its standard twin.
 
-
-def test_the_default_affine_scale_is_100x_more_accurate_at_depth_128():
+    What the library guarantees: the inverse rebuilds the input and the
+    reversible backward pass gives the standard twin's gradients, up to the
+    dtype's rounding. Checked in float64 on the numerics experiment's depth-128
+    stack (random, non-identity parameters), within ``tolerance(float64)``.
+    float32 at this depth is left to the anchored test above: there rounding
+    noise is amplified through 128 inverses, and anchors are what bound it.
+    """
     args = _args()
     x, c = _inputs(args)
-    before = _errors("affine_bounded", args, x, c)  # scale="tanh", bound 2
-    after = _errors("affine_default", args, x, c)
-    # The old soft clamp really is broken here (the numbers the issue quotes).
-    assert before[0] > 1e3 and before[1] > 10, before
-    assert after[0] <= before[0] / 100 and after[1] <= before[1] / 100, (after, before)
+    std, _ = numerics.model("affine_default", DEPTH, args, reversible=False)
+    rev, inv = numerics.model("affine_default", DEPTH, args, reversible=True)
+    params = jax.jit(std.init)(jax.random.PRNGKey(0), x)
+    with jax.enable_x64(True):
+        params, x, c = (cast_floats(t, jnp.float64) for t in (params, x, c))
+        tol = tolerance(jnp.float64)
+        y = jax.jit(rev.apply)(params, None, x)
+        assert_trees_close(y, jax.jit(std.apply)(params, None, x), tol, "outputs")
+        rebuilt = jax.jit(inv.apply)(params, None, y)
+        assert_trees_close(rebuilt, x, tol, "reconstruction", floor=0)
+        g_rev = jax.jit(_grad_fn(rev))(params, x, c)
+        g_std = jax.jit(_grad_fn(std))(params, x, c)
+        assert_trees_close(g_rev, g_std, tol, "gradients vs the standard twin")
 
 
 def test_anchor_every_one_holds_one_activation_per_layer():
