@@ -29,3 +29,23 @@ def test_missing_framework_is_named_in_one_line(module, package, extra):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == f"{module} needs {package}: pip install 'revnet[{extra}]'\n"
+
+
+def test_without_the_frameworks_their_tests_skip_naming_the_extra():
+    # `make test` on an install without flax and equinox: the front doors'
+    # tests are skipped with the reason, none fails.
+    code = (
+        "import sys; sys.modules['flax'] = sys.modules['equinox'] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', '-m', "
+        "'not slow', '-k', 'nnx or equinox or eqx or Flax or Equinox', "
+        "'tests/test_nnx.py', 'tests/test_eqx.py', 'tests/test_front_doors.py', "
+        "'tests/test_readme.py']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" not in proc.stdout and " failed" not in proc.stdout
+    for package, extra in (("flax", "nnx"), ("equinox", "equinox")):
+        assert f"pip install 'revnet[{extra}]'" in proc.stdout, (package, proc.stdout)

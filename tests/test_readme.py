@@ -236,9 +236,10 @@ def restore_runtime_checks():
 
 
 def _skip_missing_packages(code: str) -> None:
-    for package in ("flax", "equinox"):
+    for package, extra in (("flax", "nnx"), ("equinox", "equinox")):
         if re.search(rf"^\s*(import|from)\s+{package}\b", code, re.M):
-            pytest.importorskip(package, reason=f"the block imports {package}")
+            reason = f"the block imports {package}: pip install 'revnet[{extra}]'"
+            pytest.importorskip(package, reason=reason)
 
 
 def _free_port() -> int:
