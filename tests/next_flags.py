@@ -26,7 +26,15 @@ import revnet
 FLAGS = ("JAX_CUSTOM_VJP3", "JAX_REMAT3", "JAX_SCAN3")
 _JAX_DIR = os.path.dirname(jax.__file__) + os.sep
 _REVNET_DIR = os.path.dirname(revnet.__file__) + os.sep
-_BLOCKS_DIR = os.path.join(_REVNET_DIR, "blocks") + os.sep
+# The front doors and the framework-free stack under them: with
+# ``reversible=False`` they run a plain network (a ``lax.scan`` over the
+# layers), so their frames alone do not make a failure revnet's.
+_FRONT_DOORS = tuple(
+    os.path.join(_REVNET_DIR, name) + os.sep for name in ("blocks", "nnx", "eqx")
+) + tuple(
+    os.path.join(_REVNET_DIR, name)
+    for name in ("_stack.py", "_couplings.py", "_block_checks.py")
+)
 
 
 def flags_on() -> list[str]:
@@ -69,16 +77,16 @@ def plain_jax_failure(exc: BaseException) -> str | None:
     """JAX's message when ``exc`` was raised inside JAX by plain JAX code.
 
     That is: the innermost frame is JAX's, and no frame on the stack belongs to
-    revnet's inversion machinery (any revnet module outside ``revnet/blocks/``;
-    the Haiku front door's modules run as plain Haiku networks when they are
-    the reference twin, ``reversible=False``, and call revnet's machinery
-    otherwise, which then appears on the stack).
+    revnet's inversion machinery (any revnet module outside the front doors
+    and their framework-free stack, ``_FRONT_DOORS``: those run as plain
+    networks when they are the reference twin, ``reversible=False``, and call
+    revnet's machinery otherwise, which then appears on the stack).
     """
     frames = _all_frames(exc)
     if not frames or not frames[-1][0].startswith(_JAX_DIR):
         return None
     if any(
-        f.startswith(_REVNET_DIR) and not f.startswith(_BLOCKS_DIR) for f, _ in frames
+        f.startswith(_REVNET_DIR) and not f.startswith(_FRONT_DOORS) for f, _ in frames
     ):
         return None
     text = str(exc).strip()
