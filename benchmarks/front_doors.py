@@ -226,34 +226,19 @@ def measure_door(door: str, depths: Sequence[int], batch: int, repeats: int) -> 
     for depth in depths:
         steps, stats, fns = build(depth, x), {}, {}
         for method, (grad, args) in steps.items():
-            arrays, static = _split_static(args)
-            fn = _closed(grad, static)
-            compiled, stats[method] = measure.compile_stats(fn, arrays)
-            fns[method] = lambda compiled=compiled, arrays=arrays: compiled(arrays)
+            # Every leaf of the models (Haiku parameters, NNX state, Equinox
+            # modules, whose other fields are static) is an array; the plain
+            # function lets jax.jit take Equinox's filtered gradient too.
+            def fn(*args, grad=grad):
+                return grad(*args)
+
+            compiled, stats[method] = measure.compile_stats(fn, *args)
+            fns[method] = lambda compiled=compiled, args=args: compiled(*args)
         times = measure.median_times(fns, repeats)
         for method in METHODS:
             rows.append({"depth": depth, "method": method, **stats[method]})
             rows[-1].update(times[method])
     return {"door": door, "rows": rows}
-
-
-def _split_static(args: tuple) -> tuple[list, list]:
-    """The array leaves of ``args`` and the rest (a module's static fields)."""
-    leaves, treedef = jax.tree.flatten(args)
-    arrays = [leaf if isinstance(leaf, jax.Array) else None for leaf in leaves]
-    static = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
-    return arrays, (treedef, static)
-
-
-def _closed(grad: Callable, static: tuple) -> Callable:
-    """``grad`` as a function of the array leaves only (for ``jax.jit``)."""
-    treedef, rest = static
-
-    def fn(arrays):
-        leaves = [a if a is not None else s for a, s in zip(arrays, rest)]
-        return grad(*jax.tree.unflatten(treedef, leaves))
-
-    return fn
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

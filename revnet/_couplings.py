@@ -40,6 +40,7 @@ def check_stream(name: str, x: Any, batch_dims: int) -> int:
 
 
 SCALES = ("sigmoid", "tanh", "exp")
+"""The affine coupling's scale functions (see :func:`scale`)."""
 
 
 def check_scale(where: str, scale: Any, scale_bound: Any) -> tuple[str, float | None]:
@@ -71,9 +72,6 @@ def check_scale(where: str, scale: Any, scale_bound: Any) -> tuple[str, float | 
             f"that log-scale), got {scale_bound} with scale={scale!r}."
         )
     return scale, scale_bound
-
-
-"""The affine coupling's scale functions (see :func:`scale`)."""
 
 
 def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 import revnet
+from revnet._couplings import invert
 from revnet.drift import DriftMonitor
 
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
@@ -245,5 +246,4 @@ def invert_stack(
         return stack(h)[0]
 
     outputs.__name__ = name
-    (x,) = revnet.inverse(outputs, y)(y)
-    return x
+    return invert(outputs, y)

@@ -31,7 +31,7 @@ from revnet.eqx._call import call, holds_state, missing_state
 _NAME = "ReversibleSequence"
 
 
-def _layer(static: Any, state_given: bool, axis_name: Hashable | None):
+def _layer(static: Any, axis_name: Hashable | None):
     """The pure layer function of blocks split off ``static``."""
 
     def layer(params, state, key, h):
@@ -162,7 +162,7 @@ class ReversibleSequence(eqx.Module):
         params, static = eqx.partition(self.blocks, eqx.is_array)
         substate = None if state is None else state.substate(self.blocks)
         keys = None if key is None else jax.random.split(key, self.num_layers)
-        layer = _layer(static, state is not None, self.axis_name)
+        layer = _layer(static, self.axis_name)
         return layer, (params, substate, keys)
 
     def __call__(
