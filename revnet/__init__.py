@@ -20,6 +20,10 @@ mode, with ``mode="auto"`` (the default), ``"invert"``, ``"store"`` or
 ``"checkpoint"``, and ``anchor_every=k`` to store the carry every ``k``
 steps (:mod:`revnet.loops`).
 
+What is kept: :func:`stored` lists what a differentiated function keeps for
+its backward pass (outputs, constants, decisions, stored carries, anchors),
+and a :class:`StoredGrowthWarning` says when that grows with depth or steps.
+
 Accuracy: :func:`set_runtime_checks` turns a non-finite reconstruction into an
 error; a :class:`DriftMonitor` reads the reconstruction error at the anchors
 (:class:`DriftWarning`, :class:`DriftError`).
@@ -59,6 +63,8 @@ from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp
 from revnet.loops import scan, while_loop
+from revnet.marks import decision, kink
+from revnet.stored import StoredGrowthWarning, stored
 
 __version__ = "0.1.0"
 
@@ -68,11 +74,15 @@ __all__ = [
     "DriftReading",
     "DriftWarning",
     "NotInvertibleError",
+    "StoredGrowthWarning",
     "custom_ivjp",
+    "decision",
     "inverse",
     "invertible",
+    "kink",
     "register_inverse",
     "scan",
     "set_runtime_checks",
+    "stored",
     "while_loop",
 ]

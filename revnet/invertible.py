@@ -61,6 +61,7 @@ import numpy as np
 from revnet._engine import (
     Body,
     Interpreter,
+    NotInvertibleError,
     Plan,
     Stuck,
     analyze,
@@ -70,6 +71,7 @@ from revnet._engine import (
     cotangents,
     eval_body,
     expose,
+    kept,
     leaf_paths,
     not_invertible,
     perturbed,
@@ -122,6 +124,7 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
         # Only the perturbed inputs are differentiated (symbolic zeros).
         (consts, args), flags = perturbed.split_primals((consts, args))
         outs = eval_body(Body(exposed.jaxpr, ()), *consts, *args)
+        kept.invertible(exposed, consts, outs)  # what is saved: a report, a warning
         return outs[:n_out], (consts, outs, perturbed.Flags(flags))
 
     def bwd(res, cts):
@@ -157,17 +160,22 @@ class _Invertible:
 
         jaxpr, consts, out_tree = trace(flat_fun, flat_args)
         n_consts, n_args = len(consts), len(flat_args)
-        exposed = expose(
-            jaxpr,
-            [False] * n_consts + [True] * n_args,
-            decisions=self.decisions,
-            kinks=self.kinks,
-        )
+        rebuilt = [False] * n_consts + [True] * n_args
+        options = dict(decisions=self.decisions, kinks=self.kinks)
+        exposed = expose(jaxpr, rebuilt, **options)
         # The plan is cached by structure; the custom VJP closes over this
         # trace's jaxpr (its rules and nested constants), so it is made anew.
-        plan = _plan(
-            exposed.jaxpr, n_consts, n_args, lambda: leaf_paths("args", args), fname
-        )
+        paths = lambda: leaf_paths("args", args)  # noqa: E731
+        try:
+            plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
+        except NotInvertibleError:
+            # A continuous select on the inverted path is solved with its
+            # predicate known: store those predicates too.
+            strict = expose(jaxpr, rebuilt, **options, soft=False)
+            if strict.n == exposed.n:
+                raise
+            exposed = strict
+            plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
         outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 

@@ -428,23 +428,23 @@ def scan(
         carry.avals(jaxpr.outvars[:nc]),
     )
     rebuilt = [False] * nk + [True] * nc + [False] * len(x_leaves)
-    exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
-    mode = _mode(
-        exposed.jaxpr,
+    exposed, mode = choose.exposed_mode(
+        jaxpr,
+        rebuilt,
         range(nk, nk + nc),
-        True,
         mode,
         lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
+        decisions=decisions,
+        kinks=kinks,
     )
-    # Inverting or storing, the body also returns its decisions as extra ys;
-    # checkpointing recomputes them exactly.
+    # Inverting or storing, the body returns its decisions as extra ys.
     extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
     body = exposed.jaxpr if extra else jaxpr
     sp = ScanParams(Body(body, ()), nk, nc, n, reverse, unroll)
     if drift is not None and anchor_every is None:
         anchor_every = max(n, 1)  # the initial carry only
     report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
-    run = scan_function(sp, mode, slots, anchor_every, report)
+    run = scan_function(sp, mode, slots, anchor_every, report, exposed.kept[:extra])
     final, ys = carry.call("scan", run, list(consts), c_leaves, x_leaves)
     ys = list(ys)[: len(ys) - extra]
     return jax.tree_util.tree_unflatten(out_tree, list(final) + ys)

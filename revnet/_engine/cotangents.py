@@ -75,10 +75,10 @@ def drop_float0(cts: Sequence[Any]) -> list:
 
 
 def add(a: Any, b: Any) -> Any:
-    """``a + b`` where None is zero."""
-    if a is None:
+    """``a + b`` where None (and a ``float0`` cotangent) is zero."""
+    if a is None or is_float0(a):
         return b
-    if b is None:
+    if b is None or is_float0(b):
         return a
     with in_mesh_of(a):
         return a + cast_like(b, a)

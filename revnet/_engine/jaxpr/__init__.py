@@ -18,9 +18,9 @@ The rest of revnet sees equations through a handful of small functions:
 One file a concern: :mod:`.atoms` (variables, literals, abstract values),
 :mod:`.bodies` (nested jaxprs, prepared by the pass :func:`set_prepare`
 installs), :mod:`.hijax` (JAX's hijax primitives), :mod:`.calls` (nested-call
-equations), :mod:`.scans`, :mod:`.sharded` (``shard_map``), :mod:`.evaluate`
-(binding equations), :mod:`.source` (source lines) and :mod:`.rewrite`
-(building equations).
+equations), :mod:`.branches` (``cond``, ``while``), :mod:`.scans`,
+:mod:`.sharded` (``shard_map``), :mod:`.evaluate` (binding equations),
+:mod:`.source` (source lines) and :mod:`.rewrite` (building equations).
 """
 
 from revnet._engine.jaxpr.atoms import (
@@ -50,6 +50,11 @@ from revnet._engine.jaxpr.bodies import (
     nested_jaxpr,
     set_prepare,
 )
+from revnet._engine.jaxpr.branches import (
+    cond_branches,
+    cond_with_branches,
+    while_bodies,
+)
 from revnet._engine.jaxpr.calls import (
     JIT_NAMES,
     call_body,
@@ -67,8 +72,10 @@ from revnet._engine.jaxpr.evaluate import bind, bind_params, context, eval_with
 from revnet._engine.jaxpr.hijax import HI_CALL, hi_kind, lower_refs, scan3_refusal
 from revnet._engine.jaxpr.rewrite import (
     inline_body,
+    live_equations,
     remat_with_body,
     splice,
+    with_inputs,
     with_outputs,
 )
 from revnet._engine.jaxpr.scans import ScanParams, scan, scan_params, scan_with_body
@@ -100,6 +107,8 @@ __all__ = [
     "call_primitive_names",
     "caller_site",
     "closed_consts",
+    "cond_branches",
+    "cond_with_branches",
     "context",
     "custom_ivjp_key",
     "custom_rule_kind",
@@ -115,6 +124,7 @@ __all__ = [
     "key_params",
     "literal_key",
     "literal_value",
+    "live_equations",
     "lower_refs",
     "mat_key",
     "nested_jaxpr",
@@ -135,6 +145,8 @@ __all__ = [
     "tag",
     "tag_of",
     "where",
+    "while_bodies",
+    "with_inputs",
     "with_outputs",
     "within_shard_map",
 ]

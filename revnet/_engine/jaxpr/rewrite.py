@@ -75,9 +75,47 @@ def _renamed(jaxpr: Jaxpr, env: dict, info: Callable[[JaxprEqn], Any]):
     return eqns, [rename(a) for a in jaxpr.outvars]
 
 
-def remat_with_body(eqn: JaxprEqn, body: Jaxpr, outvars) -> JaxprEqn:
-    """The ``remat`` equation ``eqn`` with a new (constant-free) body and outputs."""
-    return eqn.replace(params={**eqn.params, "jaxpr": body}, outvars=list(outvars))
+def remat_with_body(eqn: JaxprEqn, body: Jaxpr, outvars, more_ins=()) -> JaxprEqn:
+    """The ``remat`` equation ``eqn`` with a new (constant-free) body and outputs.
+
+    ``more_ins`` are further inputs, read by ``body``'s last inputs.
+    """
+    return eqn.replace(
+        params={**eqn.params, "jaxpr": body},
+        invars=[*eqn.invars, *more_ins],
+        outvars=list(outvars),
+    )
+
+
+def with_inputs(jaxpr: Jaxpr, invars: Sequence[Any], eqns, outvars) -> Jaxpr:
+    """``jaxpr`` with the inputs ``invars``, equations ``eqns`` and outputs."""
+    eqns = list(eqns)
+    effects = set()
+    for e in eqns:
+        effects |= set(e.effects)
+    return jaxpr.replace(
+        invars=list(invars), eqns=eqns, outvars=list(outvars), effects=effects
+    )
+
+
+def live_equations(eqns: Sequence[JaxprEqn], outvars, given) -> list[JaxprEqn]:
+    """The equations of ``eqns`` that ``outvars`` need when ``given`` are inputs.
+
+    An equation whose outputs are all given, unused or dropped is left out,
+    unless it has effects.
+    """
+    given = {id(v) for v in given}
+    live = {id(a) for a in outvars if not is_literal(a)}
+    kept = []
+    for e in reversed(list(eqns)):
+        used = any(
+            not is_dropvar(v) and id(v) in live and id(v) not in given
+            for v in e.outvars
+        )
+        if used or e.effects:
+            kept.append(e)
+            live.update(id(a) for a in e.invars if not is_literal(a))
+    return kept[::-1]
 
 
 def inline_body(

@@ -40,11 +40,14 @@ def scan_params(eqn: JaxprEqn) -> ScanParams | None:
     )
 
 
-def scan_with_body(eqn: JaxprEqn, body: Jaxpr, n_consts: int, outvars) -> JaxprEqn:
+def scan_with_body(
+    eqn: JaxprEqn, body: Jaxpr, n_consts: int, outvars, more_xs=()
+) -> JaxprEqn:
     """The ``scan`` equation ``eqn`` with a new body and outputs.
 
     ``body`` takes the body's ``n_consts`` constants as leading inputs (as
     :func:`as_body` gives them); their values are those of ``eqn``'s body.
+    ``more_xs`` are further scanned inputs, read by ``body``'s last inputs.
     """
     consts = as_body(eqn.params["jaxpr"]).consts
     closed = jex_core.ClosedJaxpr(
@@ -53,7 +56,12 @@ def scan_with_body(eqn: JaxprEqn, body: Jaxpr, n_consts: int, outvars) -> JaxprE
         ),
         list(consts),
     )
-    return eqn.replace(params={**eqn.params, "jaxpr": closed}, outvars=list(outvars))
+    params = {**eqn.params, "jaxpr": closed}
+    if more_xs and "linear" in params:
+        params["linear"] = (*params["linear"], *[False] * len(more_xs))
+    return eqn.replace(
+        params=params, invars=[*eqn.invars, *more_xs], outvars=list(outvars)
+    )
 
 
 def scan(

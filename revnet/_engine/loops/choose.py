@@ -31,6 +31,7 @@ from typing import Any
 from revnet._engine import analysis
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
+from revnet._engine.decisions import Exposed, expose
 from revnet._engine.errors import Stuck
 from revnet._engine.loops.store import known_with, stored_set
 from revnet._engine.plan import Plan
@@ -138,3 +139,47 @@ def restrict(jaxpr: Any, out_idx: Sequence[int]) -> tuple[Any, list[int]]:
         effects=jaxpr.effects,
     )
     return sub, in_idx
+
+
+def exposed_mode(
+    jaxpr: Any,
+    rebuilt: Sequence[bool],
+    carry: Sequence[int],
+    mode: str,
+    fail: Any,
+    *,
+    decisions: str,
+    kinks: str,
+) -> tuple[Exposed, Mode]:
+    """A scan body with its decisions exposed, and its backward mode.
+
+    A continuous select on the inverted path is solved only with its
+    predicate known; when the body cannot be inverted with those predicates
+    recomputed, they are stored too (``expose(..., soft=False)``) if that
+    makes inversion possible. ``fail(stuck)`` raises the user's error.
+    """
+    known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
+
+    def mode_of(exposed):
+        return choose_mode(exposed.jaxpr, known_in, carry, True, mode)
+
+    exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
+    try:
+        chosen = mode_of(exposed)
+    except Stuck:
+        chosen = None
+    if chosen is None or chosen.kind != INVERT:
+        strict = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks, soft=False)
+        if strict.n != exposed.n:
+            try:
+                again = mode_of(strict)
+            except Stuck:
+                again = None
+            if again is not None and (chosen is None or again.kind == INVERT):
+                exposed, chosen = strict, again
+    if chosen is None:
+        try:
+            chosen = mode_of(exposed)
+        except Stuck as stuck:
+            raise fail(stuck) from None
+    return exposed, chosen

@@ -1,0 +1,322 @@
+"""The classification of equations on rebuilt values (_engine/continuity.py).
+
+The table must name every primitive JAX has, and what it says must hold of
+the primitives themselves: a primitive classed smooth or kink moves its result
+by little when its input moves by little, and a primitive classed as a
+decision has a jump somewhere. Selects are classed from the program: a select
+whose cases agree where its predicate switches is a kink.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend import core as jex_core
+from jax.extend.core import primitives
+
+import revnet
+from revnet._engine import continuity as cont
+from revnet._engine import expose, trace
+
+
+def _jax_primitive_names() -> set[str]:
+    return {
+        p.name
+        for p in vars(primitives).values()
+        if isinstance(p, jex_core.Primitive)
+    }
+
+
+def test_every_jax_primitive_has_a_class():
+    """The coverage table: every primitive ``jax.extend`` lists, with its class
+    (printed with ``pytest -s``)."""
+    names = _jax_primitive_names()
+    assert len(names) > 150  # the list is really there
+    table = cont.table()
+    missing = sorted(names - set(table))
+    assert not missing, f"primitives without a class: {missing}"
+    by_class: dict[str, list[str]] = {}
+    for n in sorted(names):
+        by_class.setdefault(table[n], []).append(n)
+    for cls, ns in sorted(by_class.items()):
+        print(f"{cls} ({len(ns)}): {' '.join(ns)}")
+    assert set(by_class) <= {
+        cont.SMOOTH,
+        cont.KINK,
+        cont.DECISION,
+        cont.GUARD,
+        cont.STRUCTURAL,
+    }
+
+
+def test_an_unknown_primitive_is_a_decision():
+    assert cont.primitive_class("some_future_primitive") == cont.DECISION
+
+
+# Domains where each elementwise primitive is defined and finite.
+_DOMAIN = {
+    "log": (0.1, 3.0),
+    "log1p": (-0.5, 3.0),
+    "sqrt": (0.1, 3.0),
+    "rsqrt": (0.1, 3.0),
+    "acosh": (1.1, 3.0),
+    "atanh": (-0.9, 0.9),
+    "asin": (-0.9, 0.9),
+    "acos": (-0.9, 0.9),
+    "erf_inv": (-0.9, 0.9),
+    "lgamma": (0.1, 3.0),
+    "digamma": (0.1, 3.0),
+    "tan": (-1.2, 1.2),
+    "pow": (0.1, 3.0),
+    "div": (0.1, 3.0),
+    "rem": (0.1, 3.0),
+    "atan2": (-3.0, 3.0),
+}
+
+
+def _elementwise_cases():
+    """Every float->float elementwise primitive of one or two operands that
+    ``jax.lax`` binds directly, found by probing, with its class."""
+    cases = []
+    for name in sorted(_jax_primitive_names()):
+        prim = next(
+            p
+            for p in vars(primitives).values()
+            if isinstance(p, jex_core.Primitive) and p.name == name
+        )
+        for arity in (1, 2):
+            x = jnp.full((3,), 0.5, jnp.float64)
+            try:
+                out = prim.bind(*[x] * arity, **_params(name))
+            except Exception:
+                continue
+            if prim.multiple_results or getattr(out, "shape", None) != (3,):
+                continue
+            if out.dtype != jnp.float64:
+                continue
+            cases.append((name, prim, arity))
+            break
+    return cases
+
+
+def _params(name):
+    return {
+        "reduce_precision": {"exponent_bits": 4, "mantissa_bits": 3},
+        "integer_pow": {"y": 3},
+        "exp": {"accuracy": None},
+        "exp2": {"accuracy": None},
+        "log": {"accuracy": None},
+        "log1p": {"accuracy": None},
+        "expm1": {"accuracy": None},
+        "tanh": {"accuracy": None},
+        "logistic": {"accuracy": None},
+        "sin": {"accuracy": None},
+        "cos": {"accuracy": None},
+        "tan": {"accuracy": None},
+        "sqrt": {"accuracy": None},
+        "rsqrt": {"accuracy": None},
+        "cbrt": {"accuracy": None},
+        "copy_p": {},
+    }.get(name, {})
+
+
+def test_the_table_holds_of_the_elementwise_primitives():
+    """On a fine grid, a smooth or kink primitive's largest step between
+    neighbours is of the grid's size; a decision's is not (it jumps).
+
+    Probed in float64 on 20,001 points of each primitive's domain: the
+    classification is checked against what the primitive computes."""
+    h = 1e-4
+    with jax.enable_x64(True):
+        cases = _elementwise_cases()
+        assert len(cases) >= 40
+        for name, prim, arity in cases:
+            lo, hi = _DOMAIN.get(name, (-3.0, 3.0))
+            x = jnp.linspace(lo, hi, 20_001, dtype=jnp.float64)
+            args = [x] if arity == 1 else [x, jnp.full_like(x, 0.7)]
+            try:
+                y = np.asarray(prim.bind(*args, **_params(name)))
+            except Exception:
+                continue
+            if not np.all(np.isfinite(y)):
+                continue
+            step = float(np.max(np.abs(np.diff(y))))
+            cls = cont.primitive_class(name)
+            if cls in (cont.SMOOTH, cont.KINK):
+                assert step < 1e3 * h, (name, cls, step)
+            elif name in ("sign", "round", "floor", "ceil", "rem"):
+                assert step > 1e2 * h, (name, cls, step)
+    names = {n for n, _, _ in cases}
+    assert {"exp", "tanh", "max", "abs", "rem", "floor", "sign"} <= names
+
+
+def test_reduce_precision_and_narrowing_casts_are_decisions():
+    x = jnp.linspace(-1.0, 1.0, 10_001, dtype=jnp.float32)
+    y = lax.reduce_precision(x, exponent_bits=4, mantissa_bits=3)
+    assert float(jnp.max(jnp.abs(jnp.diff(y)))) > 1e-2  # it jumps
+    (eqn,) = jax.make_jaxpr(lambda x: lax.reduce_precision(x, 4, 3))(x).eqns
+    assert cont.classify(eqn) == cont.DECISION
+
+    def kinds(dtype_in, dtype_out):
+        j = jax.make_jaxpr(lambda x: x.astype(dtype_out))(jnp.ones(3, dtype_in))
+        return cont.classify(j.eqns[0])
+
+    assert kinds(jnp.float32, jnp.bfloat16) == cont.DECISION
+    assert kinds(jnp.float32, jnp.float16) == cont.DECISION
+    assert kinds(jnp.float32, jnp.int32) == cont.DECISION
+    assert kinds(jnp.bfloat16, jnp.float32) == cont.SMOOTH
+    assert kinds(jnp.float16, jnp.float32) == cont.SMOOTH
+
+
+def _n_stored(f, *args, **options):
+    jaxpr, consts, _ = trace(f, list(args))
+    rebuilt = [False] * len(consts) + [True] * len(args)
+    return expose(jaxpr, rebuilt, **options)
+
+
+_X = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        jax.nn.leaky_relu,
+        jax.nn.elu,
+        jax.nn.selu,
+        jax.nn.celu,
+        jax.nn.hard_tanh,
+        jax.nn.relu6,
+        jax.nn.hard_sigmoid,
+        jax.nn.hard_swish,
+        jax.nn.softplus,
+        jax.nn.mish,
+        jax.nn.gelu,
+        jax.nn.silu,
+        lambda x: jnp.clip(x, -1.0, 1.0),
+        lambda x: jnp.where(x == 0.0, 0.0, x),  # -0.0 normalised
+        lambda x: jnp.where(jnp.isnan(x), 0.0, x),  # a guard
+        lambda x: jnp.where(jnp.isfinite(x), x, 0.0),  # a guard
+        lambda x: jnp.where(x > 1.0, 2.0 * x - 1.0, x * x),  # agree at 1
+        jax.grad(lambda x: jnp.sum(jax.nn.softplus(x))),
+    ],
+)
+def test_continuous_selects_and_guards_store_nothing(act):
+    def f(a, b):
+        return a + act(b), b
+
+    assert _n_stored(f, _X, _X).n == 0
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda x: jnp.where(x > 0.0, x + 1.0, x),  # a jump of 1
+        lambda x: jnp.where(x > 0.0, jnp.tanh(x), 0.0 * x + 0.1),
+        lambda x: jnp.where(x > 1.0, x, x * x * x - 0.5),  # 1 vs 0.5
+        lambda x: jnp.where(x > _X, x, 2.0 * x),  # threshold not constant
+        lambda x: (x > 0).astype(x.dtype) * x + (x > 0),  # a mask used as a value
+        lambda x: jnp.mod(x, 0.5),
+        lambda x: jnp.round(x),
+        lambda x: lax.reduce_precision(x, 4, 3),
+        lambda x: x.astype(jnp.bfloat16).astype(x.dtype),
+        lambda x: jnp.take(jnp.arange(5.0), jnp.searchsorted(jnp.arange(4.0), x)),
+    ],
+)
+def test_jumps_are_stored(act):
+    def f(a, b):
+        return a + act(b), b
+
+    exposed = _n_stored(f, _X, _X)
+    assert exposed.n >= 1
+    assert len(exposed.kept) == exposed.n
+    assert all(k.reason in ("decision", "inputs") for k in exposed.kept)
+    assert all("test_continuity.py" in k.where for k in exposed.kept), exposed.kept
+
+
+def test_kinks_are_stored_only_with_kinks_store():
+    def f(a, b):
+        return a + jnp.max(b, -1, keepdims=True) + jax.nn.leaky_relu(b), b
+
+    assert _n_stored(f, _X, _X).n == 0
+    exposed = _n_stored(f, _X, _X, kinks="store")
+    assert exposed.n == 2
+    assert {k.primitive for k in exposed.kept} == {"reduce_max", "ge"}
+
+
+def test_a_kink_under_stop_gradient_is_not_stored():
+    def f(a, b):
+        return a + jax.nn.softmax(b), b
+
+    assert _n_stored(f, _X, _X, kinks="store").n == 0
+
+
+def test_nested_decisions_are_stored_with_where_they_sit():
+    def step(h):
+        return jnp.where(h > 0, h + 1.0, h)
+
+    def f(a, b):
+        c = jax.checkpoint(step)(b)
+        s = lax.scan(lambda acc, t: (acc + step(b - t), None), b, jnp.ones(5))[0]
+        k = lax.cond(b[0, 0] > 100.0, lambda h: h, step, b)
+        return a + c + s + k, b
+
+    exposed = _n_stored(f, _X, _X)
+    within = sorted(k.within for k in exposed.kept if k.within)
+    assert within == [("checkpoint",), ("cond",), ("scan",)]
+    (scan_kept,) = [
+        v
+        for v, k in zip(exposed.jaxpr.outvars[-exposed.n :], exposed.kept)
+        if k.within == ("scan",)
+    ]
+    assert scan_kept.aval.shape == (5, *_X.shape)  # one per step
+
+
+def test_a_decision_in_a_while_loop_is_refused_in_one_line():
+    def f(a, b):
+        def body(c):
+            return jnp.where(c[0] > 0, c[0] + 1.0, c[0]) * 0.5, c[1] + 1
+
+        return a + lax.while_loop(lambda c: c[1] < 3, body, (b, 0))[0], b
+
+    with pytest.raises(ValueError, match="while_loop body") as info:
+        jax.grad(lambda a, b: jnp.sum(revnet.invertible(f)(a, b)[0]))(_X, _X)
+    msg = str(info.value)
+    assert "\n" not in msg and "fori_loop" in msg and "test_continuity.py" in msg
+    # An integer result of a while loop on rebuilt values is stored whole.
+
+    def count(a, b):
+        n = lax.while_loop(lambda c: c[0] < 4.0, lambda c: (c[0] * 2, c[1] + 1), (b[0, 0], 0))
+        return a + n[1], b
+
+    exposed = _n_stored(count, _X, _X)
+    assert [k.primitive for k in exposed.kept] == ["while"]
+
+
+def test_a_user_marks_a_select_either_way():
+    """revnet.kink recomputes a predicate revnet cannot prove continuous;
+    revnet.decision stores one it would recompute."""
+    t = jnp.asarray(0.5)
+
+    def maximum(a, b):  # max(b, t) with a threshold revnet cannot see
+        return a + jnp.where(b > t, b, t), b
+
+    def marked_max(a, b):
+        return a + jnp.where(revnet.kink(b > t), b, t), b
+
+    def leaky(a, b):
+        return a + jnp.where(revnet.decision(b >= 0), b, 0.01 * b), b
+
+    assert _n_stored(maximum, _X, _X).n == 1
+    assert _n_stored(marked_max, _X, _X).n == 0
+    assert _n_stored(marked_max, _X, _X, kinks="store").n == 1
+    assert _n_stored(leaky, _X, _X).n == 1
+    for f in (marked_max, leaky):
+        want = jax.grad(lambda a, b: jnp.sum(jnp.sin(f(a, b)[0])), (0, 1))(_X, _X)
+        got = jax.grad(
+            lambda a, b: jnp.sum(jnp.sin(revnet.invertible(f)(a, b)[0])), (0, 1)
+        )(_X, _X)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
