@@ -123,7 +123,7 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
     def fwd(consts, args):
         # Only the perturbed inputs are differentiated (symbolic zeros).
         (consts, args), flags = perturbed.split_primals((consts, args))
-        outs = eval_body(Body(exposed.jaxpr, ()), *consts, *args)
+        outs = eval_body(Body(exposed.forward_jaxpr, ()), *consts, *args)
         kept.invertible(exposed, consts, outs)  # what is saved: a report, a warning
         return outs[:n_out], (consts, outs, perturbed.Flags(flags))
 
@@ -172,10 +172,14 @@ class _Invertible:
             # A continuous select on the inverted path is solved with its
             # predicate known: store those predicates too.
             strict = expose(jaxpr, rebuilt, **options, soft=False)
-            if strict.n == exposed.n:
+            try:
+                plan = _plan(strict.jaxpr, n_consts, n_args, paths, fname)
+            except NotInvertibleError:
+                # The program's own refusal names its equation, not the one
+                # that stores a decision.
+                _plan(jaxpr, n_consts, n_args, paths, fname)
                 raise
             exposed = strict
-            plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
         outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
@@ -208,16 +212,21 @@ def invertible(
     available, as for any ``jax.custom_vjp`` function.
 
     **Decisions are stored.** A result whose value jumps (a comparison,
-    ``sign``, ``round``/``floor``/``ceil``, ``argmax``, ``top_k``'s indices, a
-    ``sort``'s order, a cast to an integer) that reads a value the backward
-    pass rebuilds is saved by the forward pass, in its own small dtype, and
-    used by the backward pass instead of being made again on rebuilt values,
-    where rounding could flip it near a tie. This costs one decision tensor
-    per use (a ``bool`` per compared element, an ``int32`` per routed token
-    and layer). Decisions reading only weights, constants or counters are
-    recomputed. ``max``, ``min``, ``abs`` and ``relu`` are *kinks*: continuous
-    in value, so they are recomputed, and at an exact tie their derivative
-    follows the rebuilt value; ``kinks="store"`` stores their branch too.
+    ``sign``, ``round``/``floor``/``ceil``, ``rem``, ``reduce_precision``, a
+    narrowing cast, ``argmax``, ``top_k``'s indices, a ``sort``'s order, an
+    integer result such as ``jnp.searchsorted``'s) that reads a value the
+    backward pass rebuilds is saved by the forward pass and used by the
+    backward pass instead of being made again on rebuilt values, where
+    rounding could flip it near a tie; also inside a ``lax.scan`` (once per
+    step), ``jax.checkpoint``, ``lax.cond`` branch or ``custom_jvp`` function
+    in ``fun``. Decisions reading only weights, constants or counters are
+    recomputed. ``max``, ``min``, ``abs``, ``relu``, ``clamp``, reductions,
+    pooling and selects whose cases agree where they switch (``leaky_relu``,
+    ``elu``, ``hard_tanh``) are *kinks*: continuous in value, so they are
+    recomputed, and at an exact tie their derivative follows the rebuilt
+    value; ``kinks="store"`` stores them too. NaN/Inf tests are not
+    decisions. :func:`revnet.decision` and :func:`revnet.kink` mark a select
+    either way.
 
     Example::
 
@@ -236,10 +245,11 @@ def invertible(
       decisions: ``"store"`` (the default) or ``"recompute"``: make decisions
         again on rebuilt values, storing nothing. Near a tie a recomputed
         decision can flip and the gradient then differs from ``jax.grad``'s.
-      kinks: ``"recompute"`` (the default) or ``"store"``: also store the
-        branch of ``max``, ``min``, ``abs`` and ``jax.nn.relu`` that reads
-        rebuilt values (an int8 or bool per element), so that the derivative
-        at an exact tie is ``jax.grad``'s.
+      kinks: ``"recompute"`` (the default) or ``"store"``: also store every
+        kink that reads rebuilt values (the branch of ``max``, ``min``,
+        ``abs`` and ``relu`` as an int8 or bool per element; the inputs of
+        other kinks), so that the derivative at an exact tie is
+        ``jax.grad``'s.
 
     Returns:
       A function with the same signature and values as ``fun``.
@@ -249,6 +259,9 @@ def invertible(
         differentiated, when ``fun`` cannot be inverted; the message names the
         primitive, the input that cannot be recovered and the source line, and
         may end with one ``try:`` line naming the remedy.
+      ValueError: at trace time, for a decision reading rebuilt values that
+        cannot be stored where it sits (inside a ``lax.while_loop`` or a
+        ``shard_map``), naming it and what to do.
     """
     check_options(decisions, kinks, "invertible")
     if fun is None:

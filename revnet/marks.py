@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from revnet._engine.decisions import DECISION_MARK, KINK_MARK
+from revnet._engine import DECISION_MARK, KINK_MARK
 
 __all__ = ["decision", "kink"]
 

@@ -19,6 +19,7 @@ from revnet._engine import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
     checks,
     cotangents,
+    kept,
     layout,  # noqa: F401  (registers: the convolution evaluator)
     perturbed,
     registry,
@@ -32,9 +33,12 @@ from revnet._engine import (
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
 from revnet._engine.cache import LRU
 from revnet._engine.decisions import (
+    DECISION_MARK,
     DECISIONS,
+    KINK_MARK,
     KINKS,
     Exposed,
+    Kept,
     check_options,
     expose,
     stored_bytes,
@@ -59,8 +63,11 @@ from revnet._engine.tracing import trace
 __all__ = [
     "CAST",
     "DECISIONS",
+    "DECISION_MARK",
     "KINKS",
+    "KINK_MARK",
     "Exposed",
+    "Kept",
     "check_options",
     "expose",
     "stored_bytes",
@@ -79,6 +86,7 @@ __all__ = [
     "checks",
     "cotangents",
     "eval_body",
+    "kept",
     "leaf_paths",
     "choose",
     "not_invertible",

@@ -143,7 +143,10 @@ def at_point(e, rebuilt: Sequence[int]) -> tuple[Callable, Callable]:
     run.defvjp(fwd, bwd)
 
     def decide(*xs):
-        return [jnp.copy(x) for x in xs]
+        # ``stop_gradient`` copies without an inverse rule: the analysis must
+        # not rebuild an input from its stored copy (that would store the
+        # stream, and make lossy programs look invertible).
+        return [lax.stop_gradient(x) for x in xs]
 
     def values(*args):
         ins, copies = args[: len(e.invars)], args[len(e.invars) :]

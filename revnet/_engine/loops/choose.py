@@ -181,5 +181,9 @@ def exposed_mode(
         try:
             chosen = mode_of(exposed)
         except Stuck as stuck:
+            try:  # the body's own refusal names its equation
+                mode_of(Exposed(jaxpr, 0))
+            except Stuck as own:
+                raise fail(own) from None
             raise fail(stuck) from None
     return exposed, chosen

@@ -1,0 +1,359 @@
+"""The decision pass: one walk over a jaxpr that classifies every equation
+reading a rebuilt value (:mod:`.continuity`) and rewrites the decisions into
+stored outputs (:mod:`.replays` says how each is made and replayed); nested
+calls are handled by :class:`~revnet._engine.nested_calls.NestedCalls`.
+:func:`revnet._engine.decisions.expose` is its entry point.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from revnet._engine import continuity as cont
+from revnet._engine import jaxpr as jx
+from revnet._engine import replays
+from revnet._engine.cotangents import is_float_aval
+from revnet._engine.nested_calls import NestedCalls
+
+# The names of revnet.marks' marks (custom_jvp identities of one boolean).
+DECISION_MARK = "revnet_decision"
+KINK_MARK = "revnet_kink"
+
+# Calls whose body may hold decisions that can be stored as extra outputs.
+_REMAT = frozenset({"remat", "remat2", "checkpoint"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_STORE_OUTPUTS = frozenset({"round", "floor", "ceil"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """One value the forward pass stores for the backward pass.
+
+    Attributes:
+      reason: ``"decision"`` (a result that jumps, or what decides it),
+        ``"kink"`` (the branch of a kink, with ``kinks="store"``) or
+        ``"inputs"`` (an equation's rebuilt inputs, at which the backward
+        pass evaluates it).
+      primitive: the primitive of the equation it is kept for.
+      where: the user's source line of that equation, or ``""``.
+      within: the loops and calls it sits in, outermost first (``"scan"``,
+        ``"checkpoint"``, ``"cond"``); a ``scan`` stacks it once per step.
+    """
+
+    reason: str
+    primitive: str
+    where: str
+    within: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class _Result:
+    eqns: list
+    fused: list
+    outvars: list
+    extra: list
+    kept: list
+    tout: list
+
+
+class Pass(NestedCalls):
+    """One rewrite: tracks which variables are rebuilt, collects decisions."""
+
+    def __init__(self, kinks: bool, soft: bool = True):
+        self.kinks, self.soft = kinks, soft
+
+    def sub(self) -> Pass:
+        """A pass with the same options, for a nested body."""
+        return Pass(self.kinks, self.soft)
+
+    def run(self, jaxpr: Any, rebuilt: Sequence[bool]) -> _Result:
+        """The rewritten equations of ``jaxpr``, its stored decisions (extra
+        outputs, made by those equations) and which outputs are rebuilt."""
+        taint = dict(zip(jaxpr.invars, rebuilt))
+        eqns, outvars = self._flatten(jaxpr, taint)
+        self.producer = {v: e for e in eqns for v in e.outvars if not jx.is_dropvar(v)}
+        self.uses: dict = collections.defaultdict(list)
+        for e in eqns:
+            for n, a in enumerate(e.invars):
+                if not jx.is_literal(a):
+                    self.uses[a].append((e, n))
+        for a in outvars:
+            if not jx.is_literal(a):
+                self.uses[a].append((None, 0))
+        self.graded = _differentiated(eqns, outvars)
+        # A deciding call (by id) -> the call returning its results too, and
+        # the ids of the replaying calls the forward pass does without.
+        self.fusions: dict[int, Any] = {}
+        self.replays: set[int] = set()
+        self.taint = taint
+        sub: dict = {}
+        new: list = []
+        extra: list = []
+        kept: list = []
+
+        def atom(a):
+            return a if jx.is_literal(a) else sub.get(a, a)
+
+        for e0 in eqns:
+            e = e0.replace(invars=[atom(a) for a in e0.invars])
+            tin = [self.tainted(a) for a in e.invars]
+            if not any(tin):
+                new.append(e)
+                continue
+            more, stored, why, outs, tout = self._eqn(e, e0, tin)
+            new.extend(more)
+            extra.extend(stored)
+            kept.extend(why)
+            for ne in more:  # spliced variables are rebuilt unless stored
+                for v in ne.outvars:
+                    if not jx.is_dropvar(v):
+                        taint.setdefault(v, not any(v is d for d in stored))
+            for v, o, t in zip(e.outvars, outs, tout):
+                if jx.is_dropvar(v):
+                    continue
+                if o is not v:
+                    sub[v] = o
+                taint[v] = t
+                if not jx.is_literal(o):
+                    taint[o] = t
+        outvars = [atom(a) for a in outvars]
+        fused = [self.fusions.get(id(e), e) for e in new if id(e) not in self.replays]
+        tout = [self.tainted(a) for a in outvars]
+        return _Result(new, fused, outvars, extra, kept, tout)
+
+    def tainted(self, a) -> bool:
+        return not jx.is_literal(a) and self.taint.get(a, False)
+
+    # -- calls inlined before classifying ------------------------------------ #
+
+    def _flatten(self, jaxpr: Any, taint: dict) -> tuple[list, list]:
+        """``jaxpr``'s equations with the calls :meth:`_inlinable` names
+        inlined (so that a comparison and the select reading it are seen
+        together), and its outputs; ``taint`` is over-approximated here."""
+        sub: dict = {}
+        out: list = []
+
+        def atom(a):
+            return a if jx.is_literal(a) else sub.get(a, a)
+
+        work = collections.deque(jaxpr.eqns)
+        while work:
+            e = work.popleft()
+            e = e.replace(invars=[atom(a) for a in e.invars])
+            tin = [not jx.is_literal(a) and taint.get(a, False) for a in e.invars]
+            if any(tin) and self._inlinable(e, tin):
+                inner, outs = jx.inline_body(jx.call_body(e), e.invars, e.source_info)
+                for v, o in zip(e.outvars, outs):
+                    if not jx.is_dropvar(v):
+                        sub[v] = atom(o)
+                work.extendleft(reversed(inner))
+                continue
+            out.append(e)
+            for v in e.outvars:
+                if not jx.is_dropvar(v):
+                    taint[v] = any(tin)
+        return out, [atom(a) for a in jaxpr.outvars]
+
+    def _inlinable(self, e: Any, tin: list[bool]) -> bool:
+        """Whether ``e`` is a call to inline: a ``jit`` (those left after
+        tracing have constants), or revnet's own ``scan`` (its primal body) or
+        a ``remat`` with constants whose body stores decisions."""
+        name = jx.primitive_name(e)
+        body = jx.call_body(e)
+        if body is None:
+            return False
+        if name in jx.JIT_NAMES:
+            return True
+        tag = jx.tag_of(e)
+        ours = tag is not None and getattr(tag, "loop_kind", None) == "scan"
+        if not ours and not (name in _REMAT and body.consts):
+            return False
+        nb = len(body.consts)
+        return bool(self.sub().run(body.jaxpr, [False] * nb + tin).extra)
+
+    # -- one equation --------------------------------------------------------- #
+
+    def _eqn(self, e: Any, e0: Any, tin: list[bool]):
+        """``(equations replacing e, stored variables, their records, atoms of
+        e's outputs, whether each output is rebuilt)``; ``e0`` is ``e`` before
+        substitution, as the use map knows it."""
+        name = jx.primitive_name(e)
+        same, rebuilt = list(e.outvars), [True] * len(e.outvars)
+        keep = [e], [], [], same, rebuilt
+        outs = [v for v in e.outvars if not jx.is_dropvar(v)]
+        # Results nothing reads (a while loop's float carry, when only its
+        # counter is used) do not make the equation continuous.
+        used = [v for v, v0 in zip(e.outvars, e0.outvars) if self.uses.get(v0)]
+        float_in = any(t and is_float_aval(jx.aval(a)) for t, a in zip(tin, e.invars))
+        if float_in and used and not any(is_float_aval(jx.aval(v)) for v in used):
+            outs = used
+            cls = cont.classify(e)
+            if cls == cont.GUARD:
+                return keep
+            if cls == cont.DECISION and self._soft(e0):
+                return keep  # a kink: predicate of selects continuous there
+            return (
+                [e],
+                outs,
+                self._why(e, "decision", len(outs)),
+                same,
+                [False] * len(same),
+            )
+        if _marked(e, DECISION_MARK):
+            return [e], outs, self._why(e, "decision", 1), same, [False] * len(same)
+        if name == "scan":
+            return self._scan(e, tin)
+        if name in _REMAT:
+            return self._remat(e, tin)
+        if name == "cond":
+            return self._cond(e, tin)
+        if name == "while":
+            return self._while(e, tin)
+        if jx.shard_map_params(e) is not None:
+            return self._shard_map(e, tin)
+        if not float_in:
+            return keep
+        if name in _CUSTOM or jx.custom_rule_kind(e) is not None:
+            return self._custom(e, tin)
+        if jx.call_body(e) is not None:  # other calls: classified in their body
+            r = self.sub().run(jx.call_body(e).jaxpr, self._body_tin(e, tin))
+            if r.extra:
+                return self._at_point(e, tin, "inputs")
+            return keep
+        cls = cont.classify(e)
+        if cls in (cont.SMOOTH, cont.GUARD, cont.STRUCTURAL):
+            return keep
+        if cls == cont.KINK:
+            if not self.kinks or not any(v in self.graded for v in e0.outvars):
+                return keep
+            if name in ("max", "min", "abs"):
+                return self._split(e, *replays.kink(e, name), "kink")
+            return self._at_point(e, tin, "kink")
+        if name in ("top_k", "approx_top_k"):
+            return self._split(e, *replays.top_k(e), "decision")
+        if name == "sort":
+            return self._split(e, *replays.sort(e), "decision")
+        if name == "sign" and jnp.issubdtype(jx.aval(e.outvars[0]).dtype, jnp.floating):
+            return self._split(e, *replays.sign(e), "decision")
+        if name in _STORE_OUTPUTS:
+            return (
+                [e],
+                outs,
+                self._why(e, "decision", len(outs)),
+                same,
+                [False] * len(same),
+            )
+        return self._at_point(e, tin, "inputs")
+
+    def _why(self, e, reason: str, n: int, within=()) -> list[Kept]:
+        return [Kept(reason, jx.primitive_name(e), jx.where(e), tuple(within))] * n
+
+    def _soft(self, cmp: Any) -> bool:
+        """Whether the comparison ``cmp`` only decides selects that are
+        continuous where it switches (so it is a kink, recomputed)."""
+        if self.kinks or not self.soft or not cont.is_comparison(cmp):
+            return False
+        uses = self.uses.get(cmp.outvars[0], [])
+        if uses and all(_marked(use, KINK_MARK) for use, _ in uses):
+            return True
+        sw = cont.switch_point(cmp, self.tainted, self.producer.get)
+        if sw is None:
+            return False
+        u, c = sw
+        return bool(uses) and all(
+            use is not None
+            and n == 0
+            and jx.primitive_name(use) == "select_n"
+            and cont.continuous_at_switch(use, u, c, self.producer.get)
+            for use, n in uses
+        )
+
+    def _split(self, e, decide, values, own, reason):
+        """``e`` as a stored decision (``decide``) and ``values`` computed by it.
+
+        ``own``: the position of ``e``'s output that is the decision itself
+        (``top_k``'s indices), or None.
+        """
+        ins = list(e.invars)
+        eqns, (d,) = jx.splice(decide, ins, e.source_info)
+        more, outs = jx.splice(values, [*ins, d], e.source_info)
+        outs = list(outs)
+        if own is not None:
+            outs.insert(own, d)
+        rebuilt = [o is not d for o in outs]
+        n = len(e.outvars)
+        return eqns + more, [d], self._why(e, reason, 1), outs[:n], rebuilt[:n]
+
+    def _at_point(self, e, tin, reason):
+        """``e`` evaluated at stored copies of its rebuilt float inputs."""
+        pos = [
+            n
+            for n, (t, a) in enumerate(zip(tin, e.invars))
+            if t and is_float_aval(jx.aval(a))
+        ]
+        decide, values = replays.at_point(e, pos)
+        copy_eqns, copies = jx.splice(decide, [e.invars[n] for n in pos], e.source_info)
+        more, outs = jx.splice(values, [*e.invars, *copies], e.source_info)
+        rebuilt = [False] * len(e.outvars)  # the forward values, exactly
+        why = self._why(e, reason, len(copies))
+        return copy_eqns + more, list(copies), why, list(outs), rebuilt
+
+    # -- nested jaxprs -------------------------------------------------------- #
+
+    def _body_tin(self, e, tin) -> list[bool]:
+        return [False] * len(jx.call_body(e).consts) + list(tin)
+
+    def _custom(self, e, tin):
+        """A ``custom_jvp``/``custom_vjp`` function: its derivative is its own
+        rule's, so a decision (or, with ``kinks="store"``, a kink) in its body
+        is replayed by evaluating the whole call at its stored inputs."""
+        body = jx.call_body(e)
+        keep = [e], [], [], list(e.outvars), [True] * len(e.outvars)
+        if body is None:
+            return self._at_point(e, tin, "inputs")
+        r = self.sub().run(body.jaxpr, self._body_tin(e, tin))
+        if not r.extra:
+            return keep
+        if self.kinks and _is_relu(e):
+            return self._split(e, *replays.kink(e, "relu"), "kink")
+        reason = "inputs" if any(k.reason != "kink" for k in r.kept) else "kink"
+        return self._at_point(e, tin, reason)
+
+
+def _differentiated(eqns: Sequence[Any], outvars: Sequence[Any]) -> set:
+    """The variables whose derivative reaches ``outvars`` (not through
+    ``stop_gradient`` or an equation without float results)."""
+    live = {a for a in outvars if not jx.is_literal(a)}
+    for e in reversed(list(eqns)):
+        if jx.primitive_name(e) == "stop_gradient" or jx.has_zero_derivative(e):
+            continue
+        if not any(v in live for v in e.outvars if not jx.is_dropvar(v)):
+            continue
+        if not any(is_float_aval(jx.aval(v)) for v in e.outvars):
+            continue
+        live.update(a for a in e.invars if not jx.is_literal(a))
+    return live
+
+
+def _marked(e, mark: str) -> bool:
+    """Whether ``e`` is the mark ``mark`` of :mod:`revnet.marks`."""
+    return (
+        e is not None
+        and jx.primitive_name(e) == "custom_jvp_call"
+        and jx.call_name(e) == mark
+    )
+
+
+def _is_relu(e) -> bool:
+    """Whether ``e`` is ``jax.nn.relu`` (a ``custom_jvp`` of one input)."""
+    return (
+        jx.primitive_name(e) == "custom_jvp_call"
+        and jx.call_name(e) == "relu"
+        and len(e.invars) == 1
+        and len(e.outvars) == 1
+    )

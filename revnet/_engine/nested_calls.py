@@ -1,0 +1,188 @@
+"""Decisions inside nested calls: a ``scan``, ``remat``/checkpoint or
+``cond`` whose body decides is split into a *deciding* call, which returns the
+decisions (stacked per step for a scan), and a *replaying* call, which takes
+them as inputs in place of the equations that made them; the forward pass
+runs one *fused* call returning both. A ``while`` loop or ``shard_map`` whose
+body decides on rebuilt values is refused in one line.
+
+:class:`NestedCalls` is mixed into the decision pass
+(:class:`revnet._engine.decision_pass.Pass`), which gives it ``sub()`` (a
+pass for a body), ``fusions`` and ``replays``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from revnet._engine import jaxpr as jx
+
+
+def _refuse(what: str, inner: Any, outer: Any, fix: str) -> ValueError:
+    where = jx.where(inner) or jx.where(outer)
+    at = f" at {where}" if where else ""
+    return ValueError(
+        f"a decision (`{jx.primitive_name(inner)}`{at}) inside {what} reads values "
+        f"the backward pass rebuilds, and {fix}; or pass decisions='recompute' "
+        "(a recomputed decision may flip near a tie)"
+    )
+
+
+class NestedCalls:
+    """The handlers of nested calls, for the decision pass."""
+
+    def _nested(self, body: Any, rebuilt: list[bool]):
+        """``(result, deciding body, replaying body)`` of a nested jaxpr."""
+        r = self.sub().run(body, rebuilt)
+        if not r.extra:
+            return r, None, None
+        deciding = jx.with_outputs(body, [*r.outvars, *r.extra], r.fused)
+        live = jx.live_equations(r.eqns, r.outvars, r.extra)
+        replaying = jx.with_inputs(body, [*body.invars, *r.extra], live, r.outvars)
+        return r, deciding, replaying
+
+    def _pair(self, decide, replay, fused) -> list:
+        """The deciding and replaying calls; ``fused`` stands for both in the
+        forward pass."""
+        self.fusions[id(decide)] = fused
+        self.replays.add(id(replay))
+        return [decide, replay]
+
+    def _scan(self, e, tin):
+        sp = jx.scan_params(e)
+        nb, nc, ncar = len(sp.body.consts), sp.num_consts, sp.num_carry
+        body = sp.body.jaxpr
+        carry = list(tin[nc : nc + ncar])
+        while True:  # the carry's taint, to a fixed point
+            rebuilt = [False] * nb + tin[:nc] + carry + tin[nc + ncar :]
+            tout = self.sub().run(body, rebuilt).tout
+            new = [c or t for c, t in zip(carry, tout[:ncar])]
+            if new == carry:
+                break
+            carry = new
+        r, deciding, replaying = self._nested(body, rebuilt)
+        tout = [*carry, *r.tout[ncar:]]
+        if deciding is None:
+            return [e], [], [], list(e.outvars), tout
+        stacked = [jx.new_var(jx.stacked(jx.aval(v), sp.length)) for v in r.extra]
+        unused = [jx.new_var(jx.aval(v)) for v in e.outvars]
+        decide = jx.scan_with_body(e, deciding, nb, [*unused, *stacked])
+        replay = jx.scan_with_body(e, replaying, nb, e.outvars, more_xs=stacked)
+        fused = jx.scan_with_body(e, deciding, nb, [*e.outvars, *stacked])
+        why = [dataclasses.replace(k, within=("scan", *k.within)) for k in r.kept]
+        return self._pair(decide, replay, fused), stacked, why, list(e.outvars), tout
+
+    def _remat(self, e, tin):
+        body = jx.call_body(e)
+        r, deciding, replaying = self._nested(body.jaxpr, self._body_tin(e, tin))
+        if deciding is None:  # (with constants and decisions it was inlined)
+            return [e], [], [], list(e.outvars), r.tout
+        outs = [jx.new_var(jx.aval(v)) for v in r.extra]
+        unused = [jx.new_var(jx.aval(v)) for v in e.outvars]
+        decide = jx.remat_with_body(e, deciding, [*unused, *outs])
+        replay = jx.remat_with_body(e, replaying, e.outvars, more_ins=outs)
+        fused = jx.remat_with_body(e, deciding, [*e.outvars, *outs])
+        why = [dataclasses.replace(k, within=("checkpoint", *k.within)) for k in r.kept]
+        return self._pair(decide, replay, fused), outs, why, list(e.outvars), r.tout
+
+    def _cond(self, e, tin):
+        """A ``cond``: each branch stores its own decisions; the deciding call
+        returns zeros in the slots of the other branches'."""
+        branches = jx.cond_branches(e)
+        done = [
+            self._nested(b.jaxpr, [False] * len(b.consts) + tin[1:]) for b in branches
+        ]
+        tout = [tin[0] or any(t) for t in zip(*[r.tout for r, _, _ in done])]
+        if all(d is None for _, d, _ in done):
+            return [e], [], [], list(e.outvars), tout
+        slots = [jx.new_var(jx.aval(v)) for r, _, _ in done for v in r.extra]
+        deciding, replaying, at = [], [], 0
+        for b, (r, _, _) in zip(branches, done):
+            n, nb = len(r.extra), len(b.consts)
+            mine = range(at, at + n)
+            others = [v for k, v in enumerate(slots) if k not in mine]
+            zeros, zs = jx.splice(
+                lambda: [jnp.zeros(v.aval.shape, v.aval.dtype) for v in others],
+                [],
+                e.source_info,
+            )
+            zs = iter(zs)
+            outs = [
+                r.extra[k - at] if k in mine else next(zs) for k in range(len(slots))
+            ]
+            body = b.jaxpr
+            deciding.append(
+                (jx.with_outputs(body, [*r.outvars, *outs], [*r.fused, *zeros]), nb)
+            )
+            ins = [
+                r.extra[k - at] if k in mine else jx.new_var(v.aval)
+                for k, v in enumerate(slots)
+            ]
+            live = jx.live_equations(r.eqns, r.outvars, r.extra)
+            replaying.append(
+                (jx.with_inputs(body, [*body.invars, *ins], live, r.outvars), nb)
+            )
+            at += n
+        unused = [jx.new_var(jx.aval(v)) for v in e.outvars]
+        decide = jx.cond_with_branches(e, deciding, e.invars, [*unused, *slots])
+        replay = jx.cond_with_branches(e, replaying, [*e.invars, *slots], e.outvars)
+        fused = jx.cond_with_branches(e, deciding, e.invars, [*e.outvars, *slots])
+        why = [
+            dataclasses.replace(k, within=("cond", *k.within))
+            for r, _, _ in done
+            for k in r.kept
+        ]
+        return self._pair(decide, replay, fused), slots, why, list(e.outvars), tout
+
+    def _while(self, e, tin):
+        """A ``while`` loop: its trip count is read at run time, so a decision
+        in its body or condition cannot be stored per step, and is refused."""
+        cond, cn, body, bn = jx.while_bodies(e)
+        consts_c, consts_b = tin[:cn], tin[cn : cn + bn]
+        carry = list(tin[cn + bn :])
+        while True:
+            rebuilt = [False] * len(body.consts) + consts_b + carry
+            r = self.sub().run(body.jaxpr, rebuilt)
+            new = [c or t for c, t in zip(carry, r.tout)]
+            if new == carry:
+                break
+            carry = new
+        rc = self.sub().run(cond.jaxpr, [False] * len(cond.consts) + consts_c + carry)
+        for res, what in ((r, "a while_loop body"), (rc, "a while_loop condition")):
+            if res.extra:
+                inner = _maker(res, e)
+                raise _refuse(
+                    what,
+                    inner,
+                    e,
+                    "a while loop cannot store one per step: use lax.fori_loop with "
+                    "static bounds or lax.scan, whose decisions are stored per step",
+                )
+        return [e], [], [], list(e.outvars), carry
+
+    def _shard_map(self, e, tin):
+        """A ``shard_map`` is kept; a decision in its body is refused in one line.
+
+        Its per-device decisions would need outputs of their own specs; until
+        then, a decision reading rebuilt values there must not be recomputed
+        silently.
+        """
+        body = jx.shard_map_params(e).body
+        r = self.sub().run(body.jaxpr, [False] * len(body.consts) + tin)
+        if r.extra:
+            raise _refuse(
+                "a shard_map body",
+                _maker(r, e),
+                e,
+                "decisions are not stored inside shard_map yet: make the decision "
+                "outside the shard_map",
+            )
+        return [e], [], [], list(e.outvars), r.tout
+
+
+def _maker(r: Any, outer: Any) -> Any:
+    """The equation of ``r`` that makes its first stored value (or ``outer``)."""
+    first = r.extra[0]
+    return next((q for q in r.eqns if any(v is first for v in q.outvars)), outer)
