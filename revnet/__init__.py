@@ -33,9 +33,9 @@ O(1)-memory stack of your own blocks), the RevNet family,
 ``ReversibleTransformer`` and the sharding helpers (``help(revnet.blocks)``).
 
 README.md, section by section: "Quick start", "What can be inverted" (with
-"Decisions are stored" and "Values that cannot be inverted"), "Haiku models",
-"Loops", "Numerical accuracy", "Scaling out" and "Limits". Every Python block
-there runs on its own.
+"Decisions are stored", "What is stored" and "Values that cannot be
+inverted"), "Haiku models", "Loops", "Numerical accuracy", "Scaling out" and
+"Limits". Every Python block there runs on its own.
 
 Example:
 

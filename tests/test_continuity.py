@@ -24,9 +24,7 @@ from revnet._engine import expose, trace
 
 def _jax_primitive_names() -> set[str]:
     return {
-        p.name
-        for p in vars(primitives).values()
-        if isinstance(p, jex_core.Primitive)
+        p.name for p in vars(primitives).values() if isinstance(p, jex_core.Primitive)
     }
 
 
@@ -288,7 +286,9 @@ def test_a_decision_in_a_while_loop_is_refused_in_one_line():
     # An integer result of a while loop on rebuilt values is stored whole.
 
     def count(a, b):
-        n = lax.while_loop(lambda c: c[0] < 4.0, lambda c: (c[0] * 2, c[1] + 1), (b[0, 0], 0))
+        n = lax.while_loop(
+            lambda c: c[0] < 4.0, lambda c: (c[0] * 2, c[1] + 1), (b[0, 0], 0)
+        )
         return a + n[1], b
 
     exposed = _n_stored(count, _X, _X)

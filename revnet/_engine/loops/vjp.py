@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from revnet._engine import cotangents
+from revnet._engine import cotangents, kept
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
 from revnet._engine.loops import anchors as anc
@@ -59,12 +59,15 @@ class Loop:
         zero cotangents); empty for a scan.
       forwards: ``forwards(stored, anchor_every)``, the loop's forward loops
         (:mod:`.forward`).
+      decided: what the body's last ``ys`` are, one
+        :class:`~revnet._engine.decisions.Kept` each: the decisions it stores.
     """
 
     kind: str
     sp: jx.ScanParams
     cond_avals: Sequence[Any]
     forwards: Callable[[tuple[bool, ...], int | None], forward.Forwards]
+    decided: Sequence[Any] = ()
 
     def groups(self, args: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         """``(consts, cond_consts, carry, xs)`` from the loop's arguments."""
@@ -153,6 +156,7 @@ def scan_function(
     slots: int,
     anchor_every: int | None = None,
     report: Any = None,
+    decided: Sequence[Any] = (),
 ) -> Callable[..., Any]:
     """``run(consts, init, xs) -> (final, ys)``, a custom VJP for the scan ``sp``.
 
@@ -165,6 +169,9 @@ def scan_function(
         Checkpointing recomputes carries exactly and uses no anchors.
       report: with anchors, None or a function given the drift at each
         anchor (through ``jax.debug.callback``) by every backward pass.
+      decided: the records of the decisions the body returns as its last
+        ``ys`` (:class:`~revnet._engine.decisions.Kept`), for the report of
+        what is stored (:mod:`revnet._engine.kept`).
 
     Returns:
       The scan, a ``jax.custom_vjp`` function.
@@ -179,6 +186,7 @@ def scan_function(
         sp,
         [],
         lambda stored, every: forward.scan_forwards(sp, stored, every),
+        tuple(decided),
     )
     return _loop_vjp(loop, mode, slots, anchor_every, report, ())
 
@@ -208,6 +216,7 @@ def _loop_vjp(
         out = loop.outputs(ran.final, ran.ys)
         if not rebuild:  # checkpointing starts from the initial carry
             ran = forward.Ran(ran.steps, list(carry), [], [], [])
+        kept.loop(loop.kind, loop.sp, mode, every, loop.decided, consts, xs, ran)
         return out, (consts, xs, ran, pb.Flags(flags))
 
     def bwd(res, cts):
