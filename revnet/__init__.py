@@ -23,6 +23,9 @@ steps (:mod:`revnet.loops`).
 What is kept: :func:`stored` lists what a differentiated function keeps for
 its backward pass (outputs, constants, decisions, stored carries, anchors),
 and a :class:`StoredGrowthWarning` says when that grows with depth or steps.
+Results that jump (comparisons, ``round``, ``rem``, indices) are stored, at
+any depth; kinks (``relu``, ``max``, ``leaky_relu``) are recomputed unless
+``kinks="store"``; :func:`decision` and :func:`kink` mark a select either way.
 
 Accuracy: :func:`set_runtime_checks` turns a non-finite reconstruction into an
 error; a :class:`DriftMonitor` reads the reconstruction error at the anchors
