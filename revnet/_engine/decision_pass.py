@@ -197,15 +197,9 @@ class Pass(NestedCalls):
                 return keep
             if cls == cont.DECISION and self._soft(e0):
                 return keep  # a kink: predicate of selects continuous there
-            return (
-                [e],
-                outs,
-                self._why(e, "decision", len(outs)),
-                same,
-                [False] * len(same),
-            )
+            return self._outputs(e, outs)
         if _marked(e, DECISION_MARK):
-            return [e], outs, self._why(e, "decision", 1), same, [False] * len(same)
+            return self._outputs(e, outs)
         if name == "scan":
             return self._scan(e, tin)
         if name in _REMAT:
@@ -241,14 +235,13 @@ class Pass(NestedCalls):
         if name == "sign" and jnp.issubdtype(jx.aval(e.outvars[0]).dtype, jnp.floating):
             return self._split(e, *replays.sign(e), "decision")
         if name in _STORE_OUTPUTS:
-            return (
-                [e],
-                outs,
-                self._why(e, "decision", len(outs)),
-                same,
-                [False] * len(same),
-            )
+            return self._outputs(e, outs)
         return self._at_point(e, tin, "inputs")
+
+    def _outputs(self, e, outs):
+        """``e`` kept, its results ``outs`` stored."""
+        same = list(e.outvars)
+        return [e], outs, self._why(e, "decision", len(outs)), same, [False] * len(same)
 
     def _why(self, e, reason: str, n: int, within=()) -> list[Kept]:
         return [Kept(reason, jx.primitive_name(e), jx.where(e), tuple(within))] * n
