@@ -199,9 +199,11 @@ _X = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
         lambda x: jnp.where(jnp.isfinite(x), x, 0.0),  # a guard
         lambda x: jnp.where(x > 1.0, 2.0 * x - 1.0, x * x),  # agree at 1
         jax.grad(lambda x: jnp.sum(jax.nn.softplus(x))),
+        # A compute_dtype policy: rounding into a bfloat16 computation.
+        lambda x: jnp.tanh(x.astype(jnp.bfloat16)).astype(x.dtype),
     ],
 )
-def test_continuous_selects_and_guards_store_nothing(act):
+def test_continuous_selects_guards_and_policy_casts_store_nothing(act):
     def f(a, b):
         return a + act(b), b
 

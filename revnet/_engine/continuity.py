@@ -22,6 +22,11 @@ structural  a call, loop or branch: its body is classified, equation by
             equation (:mod:`revnet._engine.decisions`)
 =========== ===============================================================
 
+A cast to a narrower float is rounding: into a computation done in the
+narrow dtype (a ``compute_dtype`` policy) it is that computation's own
+rounding, recomputed like it; cast back to a wider float (fake quantisation,
+``x.astype(bfloat16).astype(float32)``) it is a decision.
+
 The rule is "a decision unless proven otherwise": a primitive not listed as
 smooth, kink, guard or structural is a decision when it reads a rebuilt float,
 and so is any equation whose results are all integers or booleans. A
@@ -130,6 +135,25 @@ def _narrowing(src, dst) -> bool:
     m1, hi1, lo1 = _mantissa_and_range(src)
     m2, hi2, lo2 = _mantissa_and_range(dst)
     return m2 < m1 or hi2 < hi1 or lo2 > lo1
+
+
+def narrowing_float_cast(eqn: Any) -> bool:
+    """Whether ``eqn`` casts a float to a narrower float (``float32`` to
+    ``bfloat16``): a rounding to the narrow dtype's grid."""
+    if jx.primitive_name(eqn) != "convert_element_type":
+        return False
+    src, dst = jx.aval(eqn.invars[0]).dtype, eqn.params["new_dtype"]
+    floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    return bool(floats and _narrowing(src, dst))
+
+
+def widening_float_cast(eqn: Any) -> bool:
+    """Whether ``eqn`` casts a float to a wider float (exactly)."""
+    if jx.primitive_name(eqn) != "convert_element_type":
+        return False
+    src, dst = jx.aval(eqn.invars[0]).dtype, eqn.params["new_dtype"]
+    floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    return bool(floats and src != dst and not _narrowing(src, dst))
 
 
 def _infinite_literal(a) -> bool:

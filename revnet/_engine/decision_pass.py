@@ -222,6 +222,11 @@ class Pass(NestedCalls):
         cls = cont.classify(e)
         if cls in (cont.SMOOTH, cont.GUARD, cont.STRUCTURAL):
             return keep
+        if cont.narrowing_float_cast(e) and not any(
+            use is not None and cont.widening_float_cast(use)
+            for use, _ in self.uses.get(e0.outvars[0], [])
+        ):
+            return keep  # rounding into a computation in the narrow dtype
         if cls == cont.KINK:
             if not self.kinks or not any(v in self.graded for v in e0.outvars):
                 return keep
