@@ -16,10 +16,13 @@ import pytest
 from jax import lax
 from jax.extend import core as jex_core
 from jax.extend.core import primitives
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import revnet
 from revnet._engine import continuity as cont
 from revnet._engine import expose, trace
+from revnet._engine import jaxpr as jx
 
 
 def _jax_primitive_names() -> set[str]:
@@ -48,6 +51,62 @@ def test_every_jax_primitive_has_a_class():
         cont.GUARD,
         cont.STRUCTURAL,
     }
+
+
+def _traced_primitives(fun, *args) -> set[str]:
+    names: set[str] = set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            names.add(e.primitive.name)
+            for p in e.params.values():
+                inner = jx.nested_jaxpr(p)
+                if inner is not None:
+                    walk(inner[0])
+
+    walk(jax.make_jaxpr(fun)(*args).jaxpr)
+    return names
+
+
+def _collectives(x, w):
+    a = lax.psum(x, "i") + lax.pmean(x, "i") + lax.pmax(x, "i") + lax.pmin(x, "i")
+    b = lax.all_gather(x, "i", tiled=True) + lax.psum_scatter(x, "i", tiled=True)
+    c = lax.ppermute(x, "i", [(0, 0)]) + lax.all_to_all(x, "i", 0, 0, tiled=True)
+    return a + b + c + lax.pcast(w, "i", to="varying") * lax.axis_index("i")
+
+
+def _references(x):
+    r = jax.new_ref(jnp.zeros_like(x))
+    r[...] = x * 2
+    r[...] += x
+    return jax.ref.freeze(r)
+
+
+def test_primitives_found_only_in_traced_programs_have_their_class():
+    """``jax.extend`` does not list every primitive a program binds: the
+    collectives of a ``shard_map`` body under ``check_vma`` (``psum`` becomes
+    ``psum_invariant``) and mutable references are found by tracing."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+    sharded = jax.shard_map(
+        _collectives, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i")
+    )
+    x = jnp.ones(4)
+    names = _traced_primitives(sharded, x, x) | _traced_primitives(_references, x)
+    assert {"psum_invariant", "reduce_scatter", "new_ref", "freeze"} <= names
+    table = cont.table()
+    assert not sorted(names - set(table)), sorted(names - set(table))
+    smooth = {"psum_invariant", "reduce_scatter", "all_gather", "all_to_all"}
+    assert {table[n] for n in smooth | {"ppermute", "pvary"}} == {cont.SMOOTH}
+    assert {table[n] for n in ("pmax", "pmin")} == {cont.KINK}
+    assert {table[n] for n in ("new_ref", "freeze", "get", "swap")} == {cont.STRUCTURAL}
+
+
+def test_a_decision_on_a_value_written_to_a_reference_is_stored():
+    def f(x):
+        return jnp.floor(_references(x))
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    assert [k.primitive for k in expose(closed.jaxpr, [True]).kept] == ["floor"]
 
 
 def test_an_unknown_primitive_is_a_decision():

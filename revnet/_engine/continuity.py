@@ -74,14 +74,17 @@ stop_gradient sharding_constraint device_put psum psum2 pmean all_gather
 all_to_all ragged_all_to_all ppermute reshard mesh_cast pvary pcast
 optimization_barrier name fft cholesky triangular_solve tridiagonal_solve
 householder_product custom_lin mul_add reduce_and reduce_or reduce_xor
-axis_index iota
+axis_index iota psum_invariant all_gather_invariant all_gather_reduced
+reduce_scatter pbroadcast unreduced_psum unreduced_reduce_scatter preduced
+reduced_vary_cast_p vary_unreduced_cast_p broadcast_to shard_alike
+layout_constraint with_memory_space_constraint zeros_like
 """.split()
 
 # Continuous in value; the derivative jumps where the chosen operand changes.
 _KINK_NAMES = """
 max min abs clamp reduce_max reduce_min cummax cummin reduce_window_max
 reduce_window_min scatter-max scatter_max scatter-min scatter_min pmax pmin
-select_and_gather_add
+select_and_gather_add masked_cummax masked_cummin
 """.split()
 
 # Named for the coverage table: results that jump in a float input. Any
@@ -101,6 +104,8 @@ _STRUCTURAL_NAMES = """
 jit pjit closed_call core_call call custom_jvp_call custom_vjp_call
 custom_vjp_call_jaxpr remat remat2 checkpoint scan while cond shard_map
 custom_linear_solve call_hi_primitive get swap empty2 after_all create_token
+new_ref empty_ref free_ref freeze addupdate accum_grad_in_ref
+debug_callback debug_print
 """.split()
 
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})

@@ -106,6 +106,9 @@ class Pass(NestedCalls):
                 new.append(e)
                 continue
             more, stored, why, outs, tout = self._eqn(e, e0, tin)
+            for a in e.invars:  # a reference written with a rebuilt value
+                if jx.is_ref(a):
+                    taint[a] = True
             new.extend(more)
             extra.extend(stored)
             kept.extend(why)
@@ -127,7 +130,13 @@ class Pass(NestedCalls):
         return _Result(new, fused, outvars, extra, kept, tout)
 
     def tainted(self, a) -> bool:
-        return not jx.is_literal(a) and self.taint.get(a, False)
+        """Whether ``a`` is a rebuilt float: rebuilt integers and booleans are
+        exact (any made from a rebuilt float came from a stored decision)."""
+        return (
+            not jx.is_literal(a)
+            and self.taint.get(a, False)
+            and is_float_aval(jx.aval(a))
+        )
 
     # -- calls inlined before classifying ------------------------------------ #
 

@@ -170,7 +170,9 @@ class NestedCalls:
         silently.
         """
         body = jx.shard_map_params(e).body
-        r = self.sub().run(body.jaxpr, [False] * len(body.consts) + tin)
+        r = jx.within_shard_map(
+            e, lambda: self.sub().run(body.jaxpr, [False] * len(body.consts) + tin)
+        )
         if r.extra:
             raise _refuse(
                 "a shard_map body",

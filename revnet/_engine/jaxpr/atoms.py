@@ -29,6 +29,11 @@ def is_dropvar(v: Any) -> bool:
     return type(v).__name__ == "DropVar"
 
 
+def is_ref(v: Any) -> bool:
+    """Whether ``v`` (a variable or literal) is a mutable array reference."""
+    return isinstance(aval(v), jax.ref.AbstractRef)
+
+
 def aval(v: Any) -> Any:
     """The abstract value (shape, dtype, sharding) of the atom ``v``."""
     return v.aval
