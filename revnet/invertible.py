@@ -51,7 +51,7 @@ again, eagerly or under a new trace, does not analyse it again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -72,7 +72,7 @@ from revnet._engine import (
     eval_body,
     expose,
     kept,
-    leaf_paths,
+    known_args,
     not_invertible,
     perturbed,
     sharding,
@@ -142,21 +142,44 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
     return run
 
 
+def _refuse(jaxpr, n_consts, args, known, paths, fname) -> None:
+    """Raises the program's own refusal; where saving one more argument instead
+    of rebuilding it makes the call invertible, its ``try:`` line says so."""
+    n_args = len(known_args.rebuilt_paths(args, known))
+    try:
+        _plan(jaxpr, n_consts, n_args, paths, fname)
+    except NotInvertibleError as e:
+        hint = known_args.suggestion(jaxpr, n_consts, args, known)
+        if hint is None:
+            raise
+        head = str(e).split("\ntry:")[0]
+        raise NotInvertibleError(f"{head}\n{hint}") from None
+
+
 class _Invertible:
-    def __init__(self, fun: Callable[..., Any], decisions: str, kinks: str):
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        decisions: str,
+        kinks: str,
+        known_argnums: tuple[int, ...] = (),
+    ):
         # Names and docs only: copying ``fun.__dict__`` would replace ``self.fun``
         # by a ``custom_ivjp``'s own ``fun`` and drop its inverse.
         functools.update_wrapper(self, fun, updated=())
         self.fun = fun
         self.decisions, self.kinks = decisions, kinks
+        self.known_argnums = known_argnums
 
     def __call__(self, *args):
         fname = getattr(self.fun, "__name__", "function")
-        _check_args(args, fname)
-        flat_args, in_tree = jax.tree_util.tree_flatten(args)
+        known = known_args.positions(self.known_argnums, len(args), fname)
+        fun, rest = known_args.close_over(self.fun, args, known)
+        _check_args(rest, fname)
+        flat_args, in_tree = jax.tree_util.tree_flatten(rest)
 
         def flat_fun(*flat):
-            return self.fun(*jax.tree_util.tree_unflatten(in_tree, flat))
+            return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
 
         jaxpr, consts, out_tree = trace(flat_fun, flat_args)
         n_consts, n_args = len(consts), len(flat_args)
@@ -165,7 +188,7 @@ class _Invertible:
         exposed = expose(jaxpr, rebuilt, **options)
         # The plan is cached by structure; the custom VJP closes over this
         # trace's jaxpr (its rules and nested constants), so it is made anew.
-        paths = lambda: leaf_paths("args", args)  # noqa: E731
+        paths = lambda: known_args.rebuilt_paths(args, known)  # noqa: E731
         try:
             plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
         except NotInvertibleError:
@@ -177,19 +200,19 @@ class _Invertible:
             except NotInvertibleError:
                 # The program's own refusal names its equation, not the one
                 # that stores a decision.
-                _plan(jaxpr, n_consts, n_args, paths, fname)
-                raise
+                _refuse(jaxpr, n_consts, args, known, paths, fname)
             exposed = strict
         outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     def inverse(self, *example_args):
-        return inverse(self, *example_args)
+        return inverse(self, *example_args, known_argnums=self.known_argnums)
 
 
 def invertible(
     fun: Callable[..., Any] | None = None,
     *,
+    known_argnums: int | Sequence[int] = (),
     decisions: str = "store",
     kinks: str = "recompute",
 ) -> Callable[..., Any]:
@@ -238,10 +261,29 @@ def invertible(
 
     With options, use ``@revnet.invertible(decisions="recompute")``.
 
+    **Weights as arguments.** ``f(params, x)``, JAX's functional idiom, names
+    ``params`` known: ``revnet.invertible(f, known_argnums=0)``. A known
+    argument is not rebuilt from the outputs; it is saved like a closed-over
+    value and differentiated like one::
+
+        def stack(params, x):
+            def layer(x, w):
+                a, b = jnp.split(x, 2, -1)
+                a = a + jnp.tanh(b @ w)
+                return jnp.concatenate([b, a], -1), None
+            return jax.lax.scan(layer, x, params)[0]
+
+        loss = lambda p, x: jnp.sum(revnet.invertible(stack, known_argnums=0)(p, x))
+        grads = jax.grad(loss, (0, 1))(jnp.zeros((8, 2, 2)), jnp.ones((3, 4)))
+
     Args:
       fun: a function of positional arguments that are pytrees of arrays
         (floating, or integers updated invertibly such as counters), returning a
         pytree of arrays.
+      known_argnums: the positions of arguments that are not rebuilt (weights,
+        parameters, conditioning inputs): saved by the forward pass like the
+        values ``fun`` closes over, and differentiated. Their leaves may be of
+        any type. At least one argument must be left to rebuild.
       decisions: ``"store"`` (the default) or ``"recompute"``: make decisions
         again on rebuilt values, storing nothing. Near a tie a recomputed
         decision can flip and the gradient then differs from ``jax.grad``'s.
@@ -264,15 +306,18 @@ def invertible(
         ``shard_map``), naming it and what to do.
     """
     check_options(decisions, kinks, "invertible")
+    known = known_args.argnums(known_argnums, "invertible")
     if fun is None:
-        return functools.partial(invertible, decisions=decisions, kinks=kinks)
+        return functools.partial(
+            invertible, known_argnums=known, decisions=decisions, kinks=kinks
+        )
     if isinstance(fun, _Invertible):
-        if (fun.decisions, fun.kinks) == (decisions, kinks):
+        if (fun.decisions, fun.kinks, fun.known_argnums) == (decisions, kinks, known):
             return fun
         fun = fun.fun
     if not callable(fun):
         raise TypeError(f"invertible expects a callable, got {fun!r}")
-    return _Invertible(fun, decisions, kinks)
+    return _Invertible(fun, decisions, kinks, known)
 
 
 def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
@@ -325,13 +370,21 @@ def _example_struct(a: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a))
 
 
-def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tuple]:
+def inverse(
+    fun: Callable[..., Any],
+    *example_args: Any,
+    known_argnums: int | Sequence[int] | None = None,
+) -> Callable[[Any], tuple]:
     """Returns the inverse of ``fun``: outputs -> tuple of positional inputs.
 
     Args:
       fun: a plain function or one decorated with :func:`invertible`.
       *example_args: example positional arguments (arrays or
-        ``jax.ShapeDtypeStruct``s); they give structure, shapes and dtypes only.
+        ``jax.ShapeDtypeStruct``s); they give structure, shapes and dtypes only,
+        except for known arguments, whose values the inverse uses.
+      known_argnums: the arguments that are given, not rebuilt (weights): the
+        inverse uses the values passed here and returns them as they are.
+        Defaults to those of an :func:`invertible` function, else none.
 
     Returns:
       ``inv(outputs)``, taking exactly what ``fun`` returns as one argument and
@@ -348,6 +401,11 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
     """
     base = fun.fun if isinstance(fun, _Invertible) else fun
     fname = getattr(base, "__name__", "function")
+    if known_argnums is None:
+        known_argnums = fun.known_argnums if isinstance(fun, _Invertible) else ()
+    known = known_args.given(known_argnums, example_args, fname)
+    given = example_args
+    base, example_args = known_args.close_over(base, example_args, known)
     structs = jax.tree_util.tree_map(_example_struct, example_args)
     flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
     placements = [_auto_placement(a) for a in jax.tree_util.tree_leaves(example_args)]
@@ -356,7 +414,7 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
         return base(*jax.tree_util.tree_unflatten(in_tree, flat))
 
     def paths():
-        return leaf_paths("args", structs)
+        return known_args.rebuilt_paths(given, known)
 
     # Analyse once, now, so that errors surface at the call to ``inverse``.
     jaxpr0, consts0, out_tree = trace(flat_fun, flat_structs)
@@ -380,6 +438,8 @@ def inverse(fun: Callable[..., Any], *example_args: Any) -> Callable[[Any], tupl
             values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
         checks.raise_if_failed(sc)
         values = [_placed(v, s) for v, s in zip(values, placements)]
-        return tuple(jax.tree_util.tree_unflatten(in_tree, values))
+        return known_args.merge(
+            given, known, jax.tree_util.tree_unflatten(in_tree, values)
+        )
 
     return inv

@@ -20,6 +20,7 @@ from revnet._engine import (
     checks,
     cotangents,
     kept,
+    known_args,
     layout,  # noqa: F401  (registers: the convolution evaluator)
     perturbed,
     registry,
@@ -87,6 +88,7 @@ __all__ = [
     "cotangents",
     "eval_body",
     "kept",
+    "known_args",
     "leaf_paths",
     "choose",
     "not_invertible",
