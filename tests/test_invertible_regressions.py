@@ -503,3 +503,42 @@ def test_runtime_checks_in_revnet_loops(loop, checks_on):
     ):
         jax.block_until_ready(g(jnp.float32(0.0)))
     assert np.isfinite(g(jnp.float32(0.5)))
+
+
+@jax.custom_vjp
+def _ste_sign(x):
+    return jnp.sign(x)
+
+
+_ste_sign.defvjp(lambda x: (jnp.sign(x), None), lambda _, g: (g,))
+
+
+@jax.custom_jvp
+def _ste_round(x):
+    return jnp.round(x)
+
+
+_ste_round.defjvp(lambda p, t: (_ste_round(p[0]), t[0]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("ste", [_ste_sign, _ste_round], ids=["vjp_sign", "jvp_round"])
+@pytest.mark.parametrize("decisions", ["store", "recompute"])
+def test_a_straight_through_estimator_in_f_passes_its_cotangent(ste, dtype, decisions):
+    """A custom rule whose body has a zero derivative (``sign``, ``round``):
+    the rule, not the body, says what a perturbation reaches (found by the
+    fuzzer: the cotangent through ``ste(b)`` was dropped, in either mode)."""
+    with jax.enable_x64(dtype == "float64"):
+        w = jax.random.normal(jax.random.key(0), (4, 4), dtype) * 0.4
+        a, b = (jax.random.normal(jax.random.key(k), (2, 4), dtype) for k in (1, 2))
+
+        def f(w, a, b):
+            return a + ste(b * 1.7) * jnp.tanh(b @ w) * 0.8, b
+
+        def loss(g):
+            return lambda *args: sum(jnp.sum(jnp.sin(y)) for y in g(*args))
+
+        rev = revnet.invertible(f, known_argnums=0, decisions=decisions)
+        got = jax.grad(loss(rev), (0, 1, 2))(w, a, b)
+        want = jax.grad(loss(f), (0, 1, 2))(w, a, b)
+        assert_trees_close(got, want, tolerance(dtype), "gradients")

@@ -90,7 +90,9 @@ def _eqn_outputs(e: Any, ins: list[bool]) -> list[bool]:
         outs = outputs(sp.body.jaxpr, body_in)
         return carry + outs[ncar:]
     body = jx.call_body(e)
-    if body is not None:
+    # A custom derivative rule decides what a perturbation reaches, not the
+    # body's own derivative (a straight-through sign's body is `sign`).
+    if body is not None and jx.custom_rule_kind(e) is None:
         return outputs(body.jaxpr, [False] * len(body.consts) + ins)
     return [_float(v) for v in e.outvars]
 
