@@ -143,16 +143,19 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
 
 
 def _refuse(jaxpr, n_consts, args, known, paths, fname) -> None:
-    """Raises the program's own refusal; where saving one more argument instead
-    of rebuilding it makes the call invertible, its ``try:`` line says so."""
+    """Raises the program's own refusal, if it has one; where it is stuck for
+    want of an argument that saving instead of rebuilding would give (weights
+    passed as an argument), its ``try:`` line names ``known_argnums``."""
     n_args = len(known_args.rebuilt_paths(args, known))
+    known_in = (True,) * n_consts + (False,) * n_args
     try:
-        _plan(jaxpr, n_consts, n_args, paths, fname)
-    except NotInvertibleError as e:
-        hint = known_args.suggestion(jaxpr, n_consts, args, known)
+        analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
+    except Stuck as stuck:
+        error = not_invertible(stuck, paths(), n_consts, fname)
+        hint = known_args.suggestion(stuck, jaxpr, n_consts, args, known)
         if hint is None:
-            raise
-        head = str(e).split("\ntry:")[0]
+            raise error from None
+        head = str(error).split("\ntry:")[0]  # the more specific remedy
         raise NotInvertibleError(f"{head}\n{hint}") from None
 
 
@@ -201,6 +204,7 @@ class _Invertible:
                 # The program's own refusal names its equation, not the one
                 # that stores a decision.
                 _refuse(jaxpr, n_consts, args, known, paths, fname)
+                raise
             exposed = strict
         outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
         return jax.tree_util.tree_unflatten(out_tree, outs)

@@ -165,13 +165,13 @@ def test_singular_constant_matrix_is_told_at_run_time():
 @pytest.mark.parametrize(
     "fun,args,reason",
     [
-        (lambda a, b: a + b, 2, "2 operands are unknown"),
+        (lambda x, y: jnp.concatenate([x, y])[:3], 2, "`slice` has no inverse"),
         (lambda x: x * x, 1, "used more than once"),
         (lambda x: x**2, 1, "even power"),
         (jnp.sort, 1, "`sort` has no inverse rule"),
         (lambda x: x[:, :1], 1, "`slice` has no inverse rule"),
     ],
-    ids=["a + b", "x * x", "x ** 2", "sort", "dropped slice"],
+    ids=["two args, dropped", "x * x", "x ** 2", "sort", "dropped slice"],
 )
 def test_unrelated_refusal_gets_no_hint(fun, args, reason):
     x = jnp.ones([2, 4])
@@ -179,6 +179,16 @@ def test_unrelated_refusal_gets_no_hint(fun, args, reason):
         revnet.invertible(fun)(*[x] * args)
     (line,) = _lines(info.value)
     assert reason in line and "residual" not in line and WHY_TRACED in line, line
+
+
+def test_an_argument_the_outputs_cannot_give_gets_the_known_argnums_hint():
+    # a + b: two operands unknown, and b = out - a once a is given (weights,
+    # conditioning): the hint names known_argnums and closing over.
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.invertible(lambda a, b: a + b)(jnp.ones([2, 4]), jnp.ones([2, 4]))
+    first, hint = _lines(info.value)
+    assert "2 operands are unknown" in first and WHY_TRACED in first, first
+    _assert_hint([first, hint], "known_argnums=0", "args[0]", "close over it")
 
 
 def test_inverse_keeps_the_hint_without_the_traced_call_clause():

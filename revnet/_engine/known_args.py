@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from revnet._engine.analysis import analyze
-from revnet._engine.errors import Stuck, leaf_paths
+from revnet._engine.errors import BROKEN, Stuck, leaf_paths
 
 
 def argnums(value: int | Sequence[int], where: str) -> tuple[int, ...]:
@@ -99,9 +99,14 @@ def rebuilt_paths(args: tuple, known: list[int]) -> list[str]:
     ]
 
 
-def suggestion(jaxpr: Any, n_consts: int, args: tuple, known: list[int]) -> str | None:
+def suggestion(
+    stuck: Stuck, jaxpr: Any, n_consts: int, args: tuple, known: list[int]
+) -> str | None:
     """The ``try:`` line for a refused call that one more known argument makes
-    invertible (a rebuilt argument left besides it), or None."""
+    invertible, a rebuilt argument left besides it; else None. A rule that
+    broke explains itself: it gets none."""
+    if stuck.failure is not None and stuck.failure.deepest().rank == BROKEN:
+        return None
     at = n_consts
     sizes = [
         (i, len(jax.tree_util.tree_leaves(a)))
