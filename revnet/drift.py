@@ -141,6 +141,18 @@ class DriftMonitor:
         self._readings: list[DriftReading] = []
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """The settings and readings (``copy.deepcopy``, ``pickle``); the lock
+        is made anew by :meth:`__setstate__`."""
+        with self._lock:
+            state = dict(self.__dict__, _readings=list(self._readings))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def readings(self) -> list[DriftReading]:
         """Every reading so far, oldest first."""

@@ -6,9 +6,11 @@ anchors) are in tests/test_front_doors.py.
 
 from __future__ import annotations
 
+import copy
 import doctest
 import importlib.util
 import os
+import pickle
 import re
 
 import jax
@@ -294,3 +296,17 @@ def test_digits_training_matches_the_twin_for_50_steps():
     assert max(gaps) <= 1e-4, gaps
     first, last = history[0]["loss"], history[-1]["loss"]
     assert last["reversible"] < 0.5 * first["reversible"]  # it trains
+
+
+def test_a_model_holding_a_drift_monitor_is_deep_copied_and_pickled():
+    monitor = revnet.DriftMonitor(tolerance=1.0)
+    model = _seq(anchor_every=1, drift=monitor)
+    x = jax.random.normal(jax.random.key(1), (3, 8))
+    jax.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    jax.effects_barrier()
+    assert monitor.readings
+    for again in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # noqa: S301
+        assert isinstance(again.drift, revnet.DriftMonitor)
+        assert again.drift is not monitor
+        assert again.drift.max() == monitor.max() > 0
+        np.testing.assert_array_equal(again(x), model(x))

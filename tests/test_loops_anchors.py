@@ -11,7 +11,9 @@ errors measured independently (each segment inverted on its own with
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 import warnings
 
 import jax
@@ -314,6 +316,23 @@ def test_bad_drift_arguments():
         with pytest.raises(error, match="^DriftMonitor: ") as info:
             revnet.DriftMonitor(**kw)
         assert "\n" not in str(info.value)
+
+
+def test_a_monitor_is_deep_copied_and_pickled_with_its_readings():
+    monitor = revnet.DriftMonitor(tolerance=0.5, on_exceed="raise")
+    monitor.reporter("body")(np.array([1e-6, 2e-6, 0.0]), 2)
+    for copy_ in (
+        copy.deepcopy(monitor),
+        pickle.loads(pickle.dumps(monitor)),  # noqa: S301  (a test's own bytes)
+    ):
+        assert (copy_.tolerance, copy_.on_exceed) == (0.5, "raise")
+        assert [r.source for r in copy_.readings] == ["body"]
+        np.testing.assert_array_equal(copy_.latest, [1e-6, 2e-6])
+        copy_.reporter("again")(np.array([3e-6]), 1)  # its own lock works
+        assert len(copy_.readings) == 2 and len(monitor.readings) == 1
+    # A model holding one (an Equinox module's field) is deep-copied too.
+    holder = {"layers": [monitor], "w": jnp.ones(2)}
+    assert copy.deepcopy(holder)["layers"][0].max() == 2e-6
 
 
 def test_anchored_scan_inside_invertible_is_inverted_by_the_outer_function():
