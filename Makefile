@@ -36,16 +36,20 @@ test-all: $(STAMP_TEST) $(STAMP_EXP)
 # JAX's hijax primitives. A test whose plain JAX reference fails inside JAX
 # under the flag is reported as skipped with JAX's message (tests/next_flags.py).
 # With all of tests/blocks a flag's run took 19 minutes here (2 cores), so the
-# Haiku stack's own files stand for it (NEXT_TESTS=... tests/blocks for all).
+# Haiku stack's own files stand for it (NEXT_TESTS=... tests/blocks for all),
+# and their fast tier (NEXT_MARK="" for the slow one too: depth-128 memory,
+# exact bytes, the depth-32 decision programs, which run once in test-all).
 # tests/test_next_primitives.py sets each flag itself and runs in `make test-all`.
 NEXT_FLAGS ?= JAX_CUSTOM_VJP3 JAX_REMAT3 JAX_SCAN3
 NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py tests/test_rules.py \
 	tests/test_ivjp.py tests/test_loops.py tests/test_loops_modes.py \
 	tests/blocks/test_sequence.py tests/blocks/test_coupling.py tests/test_decisions.py
+NEXT_MARK ?= not slow
 test-next: $(STAMP_TEST)
 	@status=0; for flag in $(NEXT_FLAGS); do \
 		echo "== $$flag=1"; \
-		env $$flag=1 $(PY) -m pytest -n 2 -q -rs $(NEXT_TESTS) || status=1; \
+		env $$flag=1 $(PY) -m pytest -n 2 -q -rs -m "$(NEXT_MARK)" $(NEXT_TESTS) \
+			|| status=1; \
 	done; exit $$status
 
 demo: $(STAMP_EXP)

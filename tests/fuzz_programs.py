@@ -15,11 +15,19 @@ dominate):
   a float32 computation as plain JAX's);
 * ``revnet.inverse(f, a, b)(f(a, b))`` rebuilds ``(a, b)``;
 * constructs that lose information (a multiplication by a zero literal, a
-  narrowing cast) are refused with ``NotInvertibleError`` at trace time.
+  narrowing cast) are refused with ``NotInvertibleError`` at trace time;
+* programs with a decision or a kink (:data:`TIED`: comparisons, ``rem``,
+  bucketing, quantisation, reductions, clamps, and decisions inside a
+  ``scan``, ``checkpoint``, ``cond`` or custom rule) start from *tied* inputs
+  (halves: values exactly on thresholds, multiples and bucket edges), which a
+  matrix product right after the decision makes the backward pass rebuild with
+  rounding error; they run with ``kinks="store"``, and their gradients must
+  still equal ``jax.grad``'s.
 
 The plain reference runs the same source with ``jax.lax.scan``,
-``jax.lax.fori_loop`` and ``revnet.scan`` as Python loops and ``jax.jit`` as a
-plain call: the same function, with nothing to compile.
+``jax.lax.fori_loop`` and ``revnet.scan`` as Python loops, ``jax.lax.cond`` and
+``jax.lax.switch`` as selects, and ``jax.jit`` and ``jax.checkpoint`` as plain
+calls: the same function, with nothing to compile.
 
 Programs are drawn from *constructs*, each of which can be switched on or off
 (:data:`CONSTRUCTS`). The run counts, per construct and in total, the programs
@@ -56,6 +64,7 @@ import textwrap
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Iterable
 
 import jax
@@ -134,6 +143,24 @@ def ste_asinh(x):
 
 
 ste_asinh.defjvp(lambda p, t: (ste_asinh(p[0]), t[0] / (1.0 + p[0] * p[0])))
+
+
+@jax.custom_jvp
+def ste_round(x):
+    """``round(x)`` forward, straight-through tangent: a decision in a body."""
+    return jnp.round(x)
+
+
+ste_round.defjvp(lambda p, t: (ste_round(p[0]), t[0]))
+
+
+@jax.custom_vjp
+def ste_sign(x):
+    """``sign(x)`` forward, the cotangent passed through: a decision in a body."""
+    return jnp.sign(x)
+
+
+ste_sign.defvjp(lambda x: (jnp.sign(x), None), lambda _, g: (g,))
 
 
 # The module-level reversible function of the ``static_jit`` construct. Its body
@@ -228,12 +255,16 @@ class _Gen:
         self.dtypes = {"a": jnp.dtype(FAMILIES[family][0])}
         self.dtypes["b"] = self.dtypes["a"]
         self.n = 0  # index of the op being generated: names its weights
+        self.tied = False  # whether the inputs will be tied (:data:`TIED`)
 
     def c(self, lo: float = 0.1, hi: float = 1.0) -> str:
         return f"{self.rng.uniform(lo, hi):.3g}"
 
     def w(self, shape: Iterable[int], kind: str = "normal") -> str:
-        name = f"w{self.n}"
+        name, k = f"w{self.n}", 0
+        while name in self.weights:  # the op's second weight, or third
+            k += 1
+            name = f"w{self.n}_{k}"
         self.weights[name] = (tuple(shape), kind)
         return f'w["{name}"]'
 
@@ -258,6 +289,8 @@ def _unary(g: _Gen, x: str, y: str):
     names = list(ops)
     if g.family in HALF:
         names = ["scale", "shift", "negate", "divide", "flip"]
+    if g.tied:  # tied inputs hold zeros, where the inverse of a cube is singular
+        names.remove("cube")
     name = g.pick(names)
     return name, [ops[name]]
 
@@ -424,6 +457,10 @@ def _decision(g, x, y):
             f"gate{n} = jnp.sum({one_hot.format(f'jax.lax.top_k({y}, 2)[1]')}, -2)",
             f"{x} = {x} + gate{n} * {t} * {c}",
         ],
+        "approx_max_k": [
+            f"i{n} = jax.lax.approx_max_k({y}, 2)[1]",
+            f"{x} = {x} + jnp.sum({one_hot.format(f'i{n}')}, -2) * {t} * {c}",
+        ],
         "top_k_values": [
             f"top{n} = jax.lax.top_k({y}, 2)[0] * jnp.arange(1, 3)",
             f"{x} = {x} + jnp.sum(top{n}, -1, keepdims=True) * {c}",
@@ -436,6 +473,219 @@ def _decision(g, x, y):
     }
     name = g.pick(list(variants))
     return name, variants[name]
+
+
+# The constructs below start from tied inputs too (see :data:`TIED`): each
+# reads ``y`` where the forward values sit exactly on a threshold, a multiple or
+# a bucket edge, so the same operation evaluated on rebuilt values may land on
+# the other side.
+
+
+def _jump(g, z: str, t: str) -> tuple[str, str]:
+    """An expression of ``z`` that jumps at ``z``'s ties, times ``t``; its kind."""
+    h = g.pick(["0.0", "0.5", "-0.5", "1.0"])  # a threshold on the halves
+    kinds = {
+        "gt": f"jnp.where({z} > {h}, {t}, jnp.sin({z}))",
+        "sign": f"jnp.sign({z} - {h}) * {t}",
+        "round": f"jnp.round({z}) * {t}",
+        "argmax": f"jax.nn.one_hot(jnp.argmax({z}, -1), {g.d}, dtype={z}.dtype) * {t}",
+        "mod": f"jnp.mod({z}, 0.5) * {t}",
+    }
+    kind = g.pick(list(kinds))
+    return kind, kinds[kind]
+
+
+def _nested_decision(g, x, y):
+    """A decision on ``y`` inside a loop, a checkpoint, a branch or a custom rule.
+
+    The backward pass evaluates such a call forward on rebuilt values, so the
+    decisions inside it must be stored and replayed as at the top level.
+    """
+    n, d, c = g.n, g.d, g.c()
+    steps = int(g.rng.integers(1, 3))
+    where = g.pick(
+        [
+            "scan_in_f",
+            "scan_carry",
+            "scan_pair",
+            "fori_loop",
+            "checkpoint",
+            "checkpoint_update",
+            "cond_branch",
+            "cond_pred",
+            "switch",
+            "custom_jvp",
+            "custom_vjp",
+        ]
+    )
+    if where in ("scan_in_f", "scan_carry", "scan_pair"):
+        w = g.w((steps, d, d))
+        z = "q" if where == "scan_pair" else y
+        kind, e = _jump(g, z, f"jnp.tanh({z} @ v)")
+        if where == "scan_pair":  # y rides in the carry, unchanged
+            lines = [
+                f"def dstep{n}(pq, v):",
+                "    p, q = pq",
+                f"    return (p + {e} * {c}, q), None",
+                f"({x}, {y}), _ = jax.lax.scan(dstep{n}, ({x}, {y}), {w})",
+            ]
+        else:  # y is a constant of the scan; x its carry or a sum F adds
+            init = "jnp.zeros_like(" + x + ")" if where == "scan_in_f" else x
+            call = f"jax.lax.scan(dstep{n}, {init}, {w})[0]"
+            lines = [
+                f"def dstep{n}(p, v):",
+                f"    return p + {e} * {c}, None",
+                f"{x} = {x} + {call}" if where == "scan_in_f" else f"{x} = {call}",
+            ]
+    elif where == "fori_loop":  # k-means-like routing, step after step
+        w = g.w((steps, d, d))
+        kind, e = _jump(g, y, f"jnp.tanh({y} @ {w}[i])")
+        body = f"lambda i, acc: acc + {e} * {c}"
+        lines = [
+            f"{x} = {x} + jax.lax.fori_loop(0, {steps}, {body}, jnp.zeros_like({x}))"
+        ]
+    elif where == "checkpoint":  # the checkpointed function is part of F
+        kind, e = _jump(g, "z", f"jnp.tanh(z @ {g.w((d, d))})")
+        lines = [f"{x} = {x} + jax.checkpoint(lambda z: {e})({y}) * {c}"]
+    elif where == "checkpoint_update":  # the whole update is checkpointed
+        kind, e = _jump(g, "q", f"jnp.tanh(q @ {g.w((d, d))})")
+        lines = [f"{x} = jax.checkpoint(lambda p, q: p + {e} * {c})({x}, {y})"]
+    elif where in ("cond_branch", "cond_pred"):
+        kind, e = _jump(g, "z", f"jnp.tanh(z @ {g.w((d, d))})")
+        other = f"jnp.sin(z) * {g.c()}"
+        if where == "cond_branch":  # a known predicate, a decision in a branch
+            pred = f"{g.w((1,))}[0] > 0"
+        else:  # the predicate itself reads y: ties where y sums to zero
+            pred = f"jnp.sum({y}) > 0"
+        branches = f"lambda z: {e}, lambda z: {other}"
+        lines = [f"{x} = {x} + jax.lax.cond({pred}, {branches}, {y}) * {c}"]
+    elif where == "switch":  # the index is an argmax over y's column sums
+        kind, e = _jump(g, "z", f"jnp.tanh(z @ {g.w((d, d))})")
+        branches = f"[lambda z: {e}, lambda z: jnp.sin(z), lambda z: z * {g.c()}]"
+        index = f"jnp.argmax(jnp.sum({y}, 0)) % 3"
+        lines = [f"{x} = {x} + jax.lax.switch({index}, {branches}, {y}) * {c}"]
+    else:  # a custom rule whose body decides
+        kind = "round" if where == "custom_jvp" else "sign"
+        fn = "ste_round" if where == "custom_jvp" else "ste_sign"
+        t = f"jnp.tanh({y} @ {g.w((d, d))})"
+        lines = [f"{x} = {x} + {fn}({y}) * {t} * {c}"]
+    return f"{where}:{kind}", lines
+
+
+def _rem(g, x, y):
+    """``rem`` (sawtooth features): jumps at the multiples of the modulus."""
+    m, c = g.pick(["0.5", "1.0"]), g.c()
+    t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
+    variants = {
+        "mod": f"jnp.mod({y}, {m})",
+        "percent": f"({y} % {m})",
+        "fmod": f"jnp.fmod({y}, {m})",
+        "lax_rem": f"jax.lax.rem({y}, jnp.full_like({y}, {m}))",
+        "sawtooth": f"jnp.sin(jnp.mod({y}, {m}) * 3.0)",
+    }
+    name = g.pick(list(variants))
+    return name, [f"{x} = {x} + {variants[name]} * {t} * {c}"]
+
+
+HALVES = (-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5)
+
+
+def _bucketing(g, x, y):
+    """Bucket indices of ``y`` (edges on its ties) gathering a learned table."""
+    n, d, c = g.n, g.d, g.c()
+    k = int(g.rng.integers(2, 6))
+    edges = f"jnp.array({sorted(g.rng.choice(HALVES, k, replace=False).tolist())}, "
+    edges += f"{y}.dtype)"
+    method = g.pick(["scan", "scan_unrolled", "sort", "compare_all", "digitize"])
+    if method == "digitize":
+        right = bool(g.rng.integers(2))
+        index, variant = f"jnp.digitize({y}, {edges}, right={right})", method
+    else:
+        side = g.pick(["left", "right"])
+        index = f'jnp.searchsorted({edges}, {y}, side="{side}", method="{method}")'
+        variant = f"{method}_{side}"
+    if g.rng.uniform() < 0.5:  # one learned scalar per bucket
+        gather, variant = f"{g.w((k + 1,))}[idx{n}]", variant + ":scalar"
+    else:  # a learned row per bucket, one entry per feature
+        gather = f"jnp.take_along_axis({g.w((k + 1, d))}, idx{n}, 0)"
+        variant += ":rows"
+    t = f"jnp.tanh({y} @ {g.w((d, d))})"
+    return variant, [f"idx{n} = {index}", f"{x} = {x} + {gather} * {t} * {c}"]
+
+
+def _quantised(g, x, y, quant: Callable[[str], str], m: int):
+    """Lines adding ``q(u) * tanh(y @ w)`` to ``x`` (``u`` is ``y`` off the grid).
+
+    ``q`` rounds to nearest with ``m`` mantissa bits; shifting the halves by
+    ``2 ** -(m + 1)`` puts those in ``[1, 2)`` (``1``, ``1.5`` and ``-1.5``)
+    exactly halfway between two representable values. Half of the time ``q``
+    is a fake quantisation with a straight-through gradient.
+    """
+    n, c, u = g.n, g.c(), f"u{g.n}"
+    t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
+    ste = bool(g.rng.integers(2))
+    q = f"{u} + jax.lax.stop_gradient({quant(u)} - {u})" if ste else quant(u)
+    return "ste" if ste else "plain", [
+        f"{u} = {y} + {2.0 ** -(m + 1)!r}",
+        f"q{n} = {q}",
+        f"{x} = {x} + q{n} * {t} * {c}",
+    ]
+
+
+def _reduce_precision(g, x, y):
+    """``lax.reduce_precision`` (fake FP8 quantisation) on a tie."""
+    fmt = g.pick(["e4m3", "e5m2", "e8m7", "e5m10"])
+    e, m = int(fmt[1]), int(fmt[3:])
+    bits = f"exponent_bits={e}, mantissa_bits={m}"
+    ste, lines = _quantised(
+        g, x, y, lambda u: f"jax.lax.reduce_precision({u}, {bits})", m
+    )
+    return f"{fmt}:{ste}", lines
+
+
+def _cast_round_trip(g, x, y):
+    """A narrowing cast and back, written in F (quantisation-aware training)."""
+    bits = {"bfloat16": 7, "float16": 10}
+    if g.dtypes[y] == jnp.float64:
+        bits["float32"] = 23
+    to = g.pick(list(bits))
+    ste, lines = _quantised(
+        g, x, y, lambda u: f"{u}.astype(jnp.{to}).astype({u}.dtype)", bits[to]
+    )
+    return f"{to}:{ste}", lines
+
+
+def _reduction_kink(g, x, y):
+    """A reduction, pooling or cumulative maximum on equal entries of ``y``."""
+    pool = "jax.lax.reduce_window({}, {}, jax.lax.{}, (1, 2), {}, {})"
+    variants = {
+        "max_axis": f"jnp.max({y}, -1, keepdims=True)",
+        "min_axis": f"jnp.min({y}, -1, keepdims=True)",
+        "max_batch": f"jnp.max({y}, 0)",
+        "max_pool": pool.format(y, "-jnp.inf", "max", "(1, 1)", '"SAME"'),
+        "min_pool": pool.format(y, "jnp.inf", "min", "(1, 1)", '"SAME"'),
+        "max_pool_strided": "jnp.repeat("
+        + pool.format(y, "-jnp.inf", "max", "(1, 2)", '"VALID"')
+        + ", 2, -1)",
+        "cummax": f"jax.lax.cummax({y}, 1)",
+        "cummin": f"jax.lax.cummin({y}, 1, reverse=True)",
+    }
+    name = g.pick(list(variants))
+    t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
+    return name, [f"{x} = {x} + {variants[name]} * {t} * {g.c()}"]
+
+
+def _clamp_kink(g, x, y):
+    """A clamp of ``y`` whose bounds are ties (``relu6``, ``hard_tanh`` too)."""
+    variants = {
+        "clamp": f"jax.lax.clamp(-0.5, {y}, 1.0)",
+        "clip": f"jnp.clip({y}, -1.0, 0.5)",
+        "relu6": f"jax.nn.relu6({y} * 4.0 + 2.0)",
+        "hard_tanh": f"jax.nn.hard_tanh({y})",
+    }
+    name = g.pick(list(variants))
+    t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
+    return name, [f"{x} = {x} + {variants[name]} * {t} * {g.c()}"]
 
 
 def _scan_unused_ys(scan: str):
@@ -528,6 +778,13 @@ CONSTRUCTS: dict[str, Construct] = {
         _C("widening_cast", "accept", ("f32x64", *HALF), 0.3, _widening_cast),
         _C("dup_slices", "accept", ALL, 1.0, _dup_slices),
         _C("decision", "accept", FULL, 1.0, _decision),
+        _C("nested_decision", "accept", FULL, 0.0, _nested_decision),
+        _C("rem", "accept", FULL, 0.08, _rem),
+        _C("bucketing", "accept", FULL, 0.005, _bucketing),
+        _C("reduce_precision", "accept", FULL, 0.08, _reduce_precision),
+        _C("cast_round_trip", "accept", FULL, 0.08, _cast_round_trip),
+        _C("reduction_kink", "accept", FULL, 0.06, _reduction_kink),
+        _C("clamp_kink", "accept", FULL, 0.08, _clamp_kink),
         _C(
             "revnet_scan_unused_ys", "accept", FULL, 0.0, _scan_unused_ys("revnet.scan")
         ),
@@ -556,6 +813,13 @@ FEATURE_WEIGHTS = {
     "widening_cast": 0.4,
     "dup_slices": 1.2,
     "decision": 1.5,
+    "nested_decision": 0.05,  # a loop, branch or checkpoint: compiles
+    "rem": 0.12,
+    "bucketing": 0.03,  # jnp.searchsorted's jitted call: compiles
+    "reduce_precision": 0.1,
+    "cast_round_trip": 0.1,
+    "reduction_kink": 0.1,
+    "clamp_kink": 0.1,
     "revnet_scan_unused_ys": 0.03,
     "lax_scan_unused_ys": 0.03,
     "nested_revnet_scan": 0.03,
@@ -564,6 +828,21 @@ FEATURE_WEIGHTS = {
     "zero_batch": 0.2,
     "scan_wrapper": 0.03,
 }
+# Programs with any of these start from tied inputs (:func:`materialise`) and
+# store kinks: a decision on a tie, or a kink whose derivative at a tie must be
+# jax.grad's.
+TIED = frozenset(
+    [
+        "decision",
+        "nested_decision",
+        "rem",
+        "bucketing",
+        "reduce_precision",
+        "cast_round_trip",
+        "reduction_kink",
+        "clamp_kink",
+    ]
+)
 MIN_FEATURED = 5  # round-robin over the enabled constructs first, this many each
 
 
@@ -579,6 +858,7 @@ class Op:
     variant: str
     lines: list[str]
     weights: dict[str, tuple[tuple[int, ...], str]]
+    streams: tuple[str, str] = ("a", "b")  # the stream updated, the one read
 
 
 @dataclasses.dataclass
@@ -677,27 +957,39 @@ def _draw_ops(g: _Gen, featured: str | None, n_ops: int, names: list[str]) -> li
         pool, n_ops = [featured or "coupling"], 1
     p = np.array([CONSTRUCTS[n].weight for n in pool]) + 1e-9
     plan = [pool[i] for i in g.rng.choice(len(pool), n_ops, p=p / p.sum())]
+    follow = False  # a dot follows the first op, on the stream it read
     if featured is not None:
-        # A decision early in the program reads the quantised inputs' ties.
-        first = featured == "decision" and g.rng.uniform() < 0.5
+        # A decision early in the program reads the quantised inputs' ties. A
+        # matrix product then changing the stream it read makes the backward
+        # pass rebuild that stream by a solve, with rounding error (an additive
+        # coupling mostly gives a half back exactly): a tie made again there
+        # flips half of the time.
+        first = featured in TIED and g.rng.uniform() < 0.8
         plan[0 if first else int(g.rng.integers(n_ops))] = featured
+        if first and "dot" in names and g.rng.uniform() < 0.8:
+            plan[1:2] = ["dot"]  # in place of the second op, or appended
+            follow = True
     if g.family in HALF and "half_dot" in names and "half_dot" not in plan:
         plan.insert(int(g.rng.integers(n_ops + 1)), "half_dot")
     loops = {"revnet_scan_unused_ys", "lax_scan_unused_ys", "nested_revnet_scan"}
-    if loops.union(["fori_loop"]) & set(plan):  # a loop's carry keeps its dtype
+    loops |= {"fori_loop", "nested_decision"}
+    if loops & set(plan):  # a loop's carry keeps its dtype
         plan = ["unary" if n == "widening_cast" else n for n in plan]
     widened = False
+    g.tied = bool(TIED & set(plan))
     ops = []
     for n, name in enumerate(plan):
         if name == "widening_cast" and widened:
             name = "unary"
         x, y = ("a", "b") if g.rng.integers(2) == 0 else ("b", "a")
+        if follow and n == 1:
+            x, y = ops[0].streams[::-1]
         g.n = n
         before = dict(g.weights)
         variant, lines = CONSTRUCTS[name].op(g, x, y)
         widened |= name == "widening_cast"
         new = {k: v for k, v in g.weights.items() if k not in before}
-        ops.append(Op(name, variant, lines, new))
+        ops.append(Op(name, variant, lines, new, (x, y)))
     return ops
 
 
@@ -763,11 +1055,13 @@ def draw_program(
     return Program(seed, index, family, batch, d, mode, ops, featured, length)
 
 
-def materialise(prog: Program, round_: int = 0):
+def materialise(prog: Program, round_: int = 0, ties: bool | None = None):
     """The weights dict and the inputs ``(a, b)`` of a program (one round).
 
     Each leaf is drawn from its own seed, so that removing an op while shrinking
-    leaves the other values unchanged.
+    leaves the other values unchanged. The inputs are tied (quantised) when
+    ``ties`` is true, or, by default, when the program has a construct of
+    :data:`TIED`.
     """
     dtype = FAMILIES[prog.family][0]
     ws = {}
@@ -784,7 +1078,7 @@ def materialise(prog: Program, round_: int = 0):
         ws[name] = jnp.asarray(v, dtype)
     r = np.random.default_rng([prog.seed, prog.index, 0, 3])
     a, b = (r.standard_normal((2, prog.batch, prog.d)) * 0.8).astype(np.float64)
-    if _tied(prog):  # exact ties: zeros, halves, equal entries
+    if _tied(prog) if ties is None else ties:  # zeros, halves, equal entries
         a, b = (
             np.clip(np.round(a * 2) / 2, -1.5, 1.5),
             np.clip(np.round(b * 2) / 2, -1.5, 1.5),
@@ -813,25 +1107,61 @@ def _py_fori_loop(lower, upper, body, init, unroll=None):
     return carry
 
 
-# The plain reference runs the program's loops as Python loops and its nested
-# ``jit``s as plain calls: the same values, and no compilation per program.
-_PLAIN_JAX = types.SimpleNamespace(
+def _py_cond(pred, true_fun, false_fun, *operands):
+    """``lax.cond`` as a select of both branches (finite in the programs)."""
+    t, f = true_fun(*operands), false_fun(*operands)
+    return jax.tree_util.tree_map(lambda u, v: jnp.where(pred, u, v), t, f)
+
+
+def _py_switch(index, branches, *operands):
+    """``lax.switch`` as a select of all branches (the index is clamped)."""
+    index = jnp.clip(index, 0, len(branches) - 1)
+    outs = [branch(*operands) for branch in branches]
+    return jax.tree_util.tree_map(
+        lambda *vs: functools.reduce(
+            lambda acc, kv: jnp.where(index == kv[0], kv[1], acc), enumerate(vs), vs[0]
+        ),
+        *outs,
+    )
+
+
+class _Plain(types.SimpleNamespace):
+    """A module's namespace with some names replaced (the plain reference's)."""
+
+    def __init__(self, module, **replaced):
+        super().__init__(_module=module, **replaced)
+
+    def __getattr__(self, name):  # only names that are not replaced
+        if name.startswith("__") or name == "_module":
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+
+# The plain reference runs the program's loops as Python loops, its branches as
+# selects, and its nested ``jit``s and checkpoints as plain calls: the same
+# values, and no compilation per program.
+_PLAIN_JAX = _Plain(
+    jax,
     jit=lambda f: f,
-    nn=jax.nn,
-    lax=types.SimpleNamespace(
-        scan=_py_scan, fori_loop=_py_fori_loop, top_k=jax.lax.top_k
+    checkpoint=lambda f, **_: f,
+    lax=_Plain(
+        jax.lax,
+        scan=_py_scan,
+        fori_loop=_py_fori_loop,
+        cond=_py_cond,
+        switch=_py_switch,
     ),
 )
 _PLAIN_REVNET = types.SimpleNamespace(scan=_py_scan)
 
 
 def _tied(prog: Program) -> bool:
-    """Whether the program starts from tied inputs (it has a decision).
+    """Whether the program starts from tied inputs (it has a construct of TIED).
 
     Such programs store kinks too: at an exact tie a recomputed relu's
     derivative follows the rebuilt value (documented), not ``jax.grad``'s.
     """
-    return "decision" in prog.constructs
+    return bool(TIED & prog.constructs)
 
 
 def _revnet_scan(prog: Program):
@@ -865,6 +1195,8 @@ def build(prog: Program, plain: bool = False, probe=None):
         "ste_scale": ste_scale,
         "ste_sinh": ste_sinh,
         "ste_asinh": ste_asinh,
+        "ste_round": ste_round,
+        "ste_sign": ste_sign,
     }
     exec(prog.source(probe=probe is not None), ns)  # noqa: S102
     return ns["f"], holder
@@ -980,6 +1312,11 @@ def _guard(prog: Program, ws, a, b, s=None):
         raise Redraw(f"intermediate of size {big:.3g}")
 
 
+# revnet warns when what an invertible function stores grows with the steps of a
+# loop; the programs' loops (a decision in a scan) are tiny and meant to.
+GROWTH_WARNING = getattr(revnet, "StoredGrowthWarning", None)
+
+
 def check_program(prog: Program, invertible=revnet.invertible) -> tuple[str, str]:
     """Checks one program.
 
@@ -998,7 +1335,9 @@ def check_program(prog: Program, invertible=revnet.invertible) -> tuple[str, str
         has huge intermediates, or it has a numerical mismatch and rebuilding
         its inputs is ill-conditioned at its precision (:func:`ill_conditioned`).
     """
-    with jax.enable_x64(FAMILIES[prog.family][1]):
+    with jax.enable_x64(FAMILIES[prog.family][1]), warnings.catch_warnings():
+        if GROWTH_WARNING is not None:  # tiny programs: stored per step is fine
+            warnings.simplefilter("ignore", GROWTH_WARNING)
         if prog.mode == "static":
             outcome, message = _check_static(prog, invertible)
         else:
@@ -1022,7 +1361,8 @@ def ill_conditioned(prog: Program) -> bool:
     not a bug. Comparing two
     reconstructions, not a reconstruction with the inputs, keeps a wrong
     inverse from passing for an ill-conditioned one; any exception here means
-    "not ill-conditioned".
+    "not ill-conditioned". Programs with ties are probed on untied inputs (see
+    :func:`materialise`): a decision at a tie flips under any nudge.
     """
     family = "f32" if prog.family in HALF else "f64"
     ref = dataclasses.replace(prog, family=family)
@@ -1032,7 +1372,9 @@ def ill_conditioned(prog: Program) -> bool:
         with jax.enable_x64(FAMILIES[family][1]):
             f_plain, holder_plain = build(ref, plain=True)
             f_rev, holder = build(ref)
-            ws, a, b = materialise(ref)
+            # Away from ties: there a decision made again on the nudged outputs
+            # flips by design, which says nothing about the conditioning.
+            ws, a, b = materialise(ref, ties=False)
             holder["ws"] = holder_plain["ws"] = ws
             outs = f_plain(a, b)
             inv = revnet.inverse(f_rev, a, b)
@@ -1064,12 +1406,25 @@ def _first_line(exc: BaseException) -> str:
     return text[:400] + ("..." if len(text) > 400 else "")
 
 
+def _storing_kinks(invertible):
+    """``revnet.invertible`` (or a partial of it) with ``kinks="store"``, unless set."""
+    if invertible is revnet.invertible:
+        return functools.partial(revnet.invertible, kinks="store")
+    if (
+        isinstance(invertible, functools.partial)
+        and invertible.func is revnet.invertible
+        and "kinks" not in invertible.keywords
+    ):
+        return functools.partial(invertible, kinks="store")
+    return invertible
+
+
 def _check(prog: Program, invertible) -> tuple[str, str]:
     rtol = RTOL[prog.family]
     f_rev, holder = build(prog)
     f_plain, holder_plain = build(prog, plain=True)
-    if _tied(prog) and invertible is revnet.invertible:
-        invertible = functools.partial(revnet.invertible, kinks="store")
+    if _tied(prog):
+        invertible = _storing_kinks(invertible)
     rev = f_rev if prog.mode == "scan" else invertible(f_rev)
     ws, a, b = materialise(prog)
     holder["ws"] = holder_plain["ws"] = ws
@@ -1226,6 +1581,10 @@ class Report:
     @property
     def total(self) -> collections.Counter:
         return self.counts["all"]
+
+    def featured(self, name: str) -> int:
+        """How many programs were drawn for construct ``name`` (featuring it)."""
+        return self.cpu[name + "#n"]
 
     def add(self, prog: Program, outcome: str):
         """Counts one program in the rows of its constructs and in ``"all"``."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from revnet._engine import jaxpr as jx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,3 +215,19 @@ nondifferentiable.defjvp(_nondifferentiable_jvp, symbolic_zeros=True)
 # a tracer before revnet sees the function.
 UNDER_CUSTOM_VJP3 = bool(jax.config.jax_custom_vjp3)
 UNDER_SCAN3 = bool(jax.config.jax_scan3)
+
+
+def primitives(fun, *args) -> set[str]:
+    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included."""
+    names: set[str] = set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            names.add(e.primitive.name)
+            for p in e.params.values():
+                inner = jx.nested_jaxpr(p)
+                if inner is not None:
+                    walk(inner[0])
+
+    walk(jax.make_jaxpr(fun)(*args).jaxpr)
+    return names

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import revnet
 from revnet._engine import continuity as cont
 from revnet._engine import expose, trace
-from revnet._engine import jaxpr as jx
+from tests.helpers import primitives as traced_primitives
 
 
 def _jax_primitive_names() -> set[str]:
@@ -53,21 +53,6 @@ def test_every_jax_primitive_has_a_class():
     }
 
 
-def _traced_primitives(fun, *args) -> set[str]:
-    names: set[str] = set()
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            names.add(e.primitive.name)
-            for p in e.params.values():
-                inner = jx.nested_jaxpr(p)
-                if inner is not None:
-                    walk(inner[0])
-
-    walk(jax.make_jaxpr(fun)(*args).jaxpr)
-    return names
-
-
 def _collectives(x, w):
     a = lax.psum(x, "i") + lax.pmean(x, "i") + lax.pmax(x, "i") + lax.pmin(x, "i")
     b = lax.all_gather(x, "i", tiled=True) + lax.psum_scatter(x, "i", tiled=True)
@@ -91,7 +76,7 @@ def test_primitives_found_only_in_traced_programs_have_their_class():
         _collectives, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i")
     )
     x = jnp.ones(4)
-    names = _traced_primitives(sharded, x, x) | _traced_primitives(_references, x)
+    names = traced_primitives(sharded, x, x) | traced_primitives(_references, x)
     assert {"psum_invariant", "reduce_scatter", "new_ref", "freeze"} <= names
     table = cont.table()
     assert not sorted(names - set(table)), sorted(names - set(table))

@@ -4,6 +4,8 @@
 each shard's counts table); ``make fuzz`` runs 20,000.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -26,8 +28,13 @@ RARE = {
     "fori_loop",
     "scan_wrapper",
 }
+# A decision in a loop, a branch or a checkpoint, and jnp.searchsorted's jitted
+# call, compile per program (1 to 2 s each): drawn a few times per shard. The
+# other constructs of fz.TIED are drawn more often by the decision shards below.
+COSTLY = {"nested_decision", "bucketing"}
 MIN_DRAWS = {name: 1 if name in RARE else 10 for name in fz.CONSTRUCTS}
 MIN_DRAWS.update(zero_batch=3, widening_cast=5)
+MIN_DRAWS.update({name: 1 if name in COSTLY else 3 for name in fz.TIED - {"decision"}})
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
@@ -110,15 +117,30 @@ def test_plain_reference_runs_loops_as_python_loops():
 
 
 DECISION_SHARDS = 4
-# Cheap constructs only: every program features a decision (on tied inputs).
-DECISION_POOL = ["decision", "unary", "coupling", "mix", "halves", "dot", "dup_slices"]
+# Every program features a decision or a kink (fz.TIED) on tied inputs, with
+# cheap constructs around it. How often each is featured:
+DECISION_WEIGHTS = {
+    "decision": 1.0,
+    "rem": 0.12,
+    "reduce_precision": 0.08,
+    "cast_round_trip": 0.08,
+    "reduction_kink": 0.06,
+    "clamp_kink": 0.08,
+    "nested_decision": 0.01,  # these compile per program (COSTLY)
+    "bucketing": 0.005,
+}
+DECISION_POOL = [*DECISION_WEIGHTS, "unary", "coupling", "mix", "halves", "dot"]
+DECISION_POOL.append("dup_slices")
+MIN_FEATURED = {name: 0 if name in COSTLY else 10 for name in DECISION_WEIGHTS}
+MIN_FEATURED["nested_decision"] = 1
 
 
 @pytest.mark.parametrize("shard", range(DECISION_SHARDS))
 def test_random_programs_with_decisions(shard):
-    """2,000 programs, each with at least one decision inside F on exact ties."""
+    """2,000 programs, each with a decision or a stored kink in F on exact ties."""
+    assert set(DECISION_WEIGHTS) == fz.TIED
     weights = {name: 0.0 for name in fz.CONSTRUCTS}
-    weights["decision"] = 1.0
+    weights.update(DECISION_WEIGHTS)
     report = fz.run(
         PROGRAMS_PER_SHARD,
         seed=3000 + shard,
@@ -128,5 +150,43 @@ def test_random_programs_with_decisions(shard):
     )
     print(f"\ndecision shard {shard} of {DECISION_SHARDS}:\n{report.table()}")
     assert report.total["tried"] == PROGRAMS_PER_SHARD
-    assert report.counts["decision"]["tried"] == PROGRAMS_PER_SHARD
+    featured = {name: report.featured(name) for name in DECISION_WEIGHTS}
+    assert sum(featured.values()) == PROGRAMS_PER_SHARD
+    rare = {name: n for name, n in featured.items() if n < MIN_FEATURED[name]}
+    assert not rare, f"constructs featured too rarely: {rare}"
     assert report.total["wrong"] == 0, "\n" + report.failures_text(per_construct=1)
+
+
+# How each construct of fz.TIED is made wrong: decisions made again on rebuilt
+# values, or kinks differentiated at rebuilt values. Among the first
+# RECOMPUTED_PROGRAMS programs (seed 9) of each, at least one must then be
+# wrong: the ties do flip, so every construct can fail.
+RECOMPUTED = {
+    "decision": "decisions",
+    "nested_decision": "decisions",
+    "rem": "decisions",
+    "bucketing": "decisions",
+    "reduce_precision": "decisions",
+    "cast_round_trip": "decisions",
+    "reduction_kink": "kinks",
+    "clamp_kink": "kinks",
+}
+RECOMPUTED_PROGRAMS = 8
+
+
+@pytest.mark.parametrize("name", sorted(RECOMPUTED))
+def test_ties_catch_recomputed_decisions_and_kinks(name):
+    """Decisions made again (kinks differentiated) on rebuilt values are caught."""
+    option = RECOMPUTED[name]
+    weights = {n: 0.0 for n in fz.CONSTRUCTS}
+    weights[name] = 1.0
+    report = fz.run(
+        RECOMPUTED_PROGRAMS,
+        seed=9,
+        only=DECISION_POOL,
+        shrink_failures=0,
+        invertible=functools.partial(revnet.invertible, **{option: "recompute"}),
+        min_featured=0,
+        feature_weights=weights,
+    )
+    assert report.total["wrong"] >= 1, report.table()

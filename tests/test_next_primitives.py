@@ -27,7 +27,7 @@ import pytest
 import revnet
 from revnet import blocks
 from revnet._engine import jaxpr as jx
-from tests.helpers import assert_trees_close, tolerance
+from tests.helpers import assert_trees_close, primitives, tolerance
 
 FLAGS = ("jax_custom_vjp3", "jax_remat3", "jax_scan3")
 DTYPES = (jnp.float32, jnp.float64)
@@ -48,22 +48,6 @@ def flag(name: str, on: bool = True):
 def dtype_scope(dtype):
     with jax.enable_x64(dtype == jnp.float64):
         yield
-
-
-def primitives(fun, *args) -> set[str]:
-    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included."""
-    names: set[str] = set()
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            names.add(e.primitive.name)
-            for p in e.params.values():
-                inner = jx.nested_jaxpr(p)
-                if inner is not None:
-                    walk(inner[0])
-
-    walk(jax.make_jaxpr(fun)(*args).jaxpr)
-    return names
 
 
 def plain_grad_or_skip(loss, args, why: str):
