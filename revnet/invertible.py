@@ -142,11 +142,10 @@ def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..
     return run
 
 
-def _refuse(jaxpr, n_consts, args, known, paths, fname) -> None:
+def _refuse(jaxpr, n_consts, n_args, args, known, paths, fname) -> None:
     """Raises the program's own refusal, if it has one; where it is stuck for
     want of an argument that saving instead of rebuilding would give (weights
     passed as an argument), its ``try:`` line names ``known_argnums``."""
-    n_args = len(known_args.rebuilt_paths(args, known))
     known_in = (True,) * n_consts + (False,) * n_args
     try:
         analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
@@ -203,7 +202,7 @@ class _Invertible:
             except NotInvertibleError:
                 # The program's own refusal names its equation, not the one
                 # that stores a decision.
-                _refuse(jaxpr, n_consts, args, known, paths, fname)
+                _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
                 raise
             exposed = strict
         outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))

@@ -76,8 +76,7 @@ def close_over(fun: Callable[..., Any], args: tuple, known: list[int]):
     rest = tuple(a for i, a in enumerate(args) if i not in known)
 
     def g(*r):
-        it = iter(r)
-        return fun(*[args[i] if i in known else next(it) for i in range(len(args))])
+        return fun(*merge(args, known, r))
 
     return g, rest
 
