@@ -67,7 +67,9 @@ class DriftReading(NamedTuple):
     Attributes:
       source: the loop (its body's name, or the module's name).
       drift: relative reconstruction error at each anchor, first step first.
-        Under ``vmap`` each element's backward pass sends its own reading.
+        Under ``vmap`` a ``revnet.scan`` or ``@invertible`` call runs as one
+        batched call and sends one reading for the batch (the error over all
+        its elements); a ``revnet.while_loop`` sends one per element.
     """
 
     source: str

@@ -59,7 +59,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from revnet._engine import (
-    Body,
     Interpreter,
     NotInvertibleError,
     Plan,
@@ -68,16 +67,14 @@ from revnet._engine import (
     aval,
     check_options,
     checks,
-    cotangents,
-    eval_body,
     expose,
-    kept,
     known_args,
     not_invertible,
-    perturbed,
+    reversible_call,
     sharding,
     struct,
     trace,
+    trace_program,
 )
 
 __all__ = ["inverse", "invertible"]
@@ -105,41 +102,6 @@ def _plan(
         return analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
     except Stuck as stuck:
         raise not_invertible(stuck, paths(), n_consts, fname, traced=traced) from None
-
-
-def _vjp_fun(jaxpr: Any, exposed: Any, plan: Plan, n_consts: int) -> Callable[..., Any]:
-    """``run(consts, args)`` evaluating ``jaxpr``, with the inverting VJP.
-
-    The forward pass of a differentiated call evaluates ``exposed.jaxpr``,
-    ``jaxpr`` with its stored decisions as extra outputs, and saves those too;
-    ``plan`` rebuilds the inputs of ``exposed.jaxpr``.
-    """
-    n_out = len(jaxpr.outvars)
-
-    @jax.custom_vjp
-    def run(consts, args):
-        return eval_body(Body(jaxpr, ()), *consts, *args)
-
-    def fwd(consts, args):
-        # Only the perturbed inputs are differentiated (symbolic zeros).
-        (consts, args), flags = perturbed.split_primals((consts, args))
-        outs = eval_body(Body(exposed.forward_jaxpr, ()), *consts, *args)
-        kept.invertible(exposed, consts, outs)  # what is saved: a report, a warning
-        return outs[:n_out], (consts, outs, perturbed.Flags(flags))
-
-    def bwd(res, cts):
-        consts, outs, flags = res
-        interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs), flags.value)
-        cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
-        cts = [*cts, *[None] * exposed.n]
-        with checks.scope() as sc:
-            _, in_cts = interp.backward(cts, need_values=False)
-        checks.raise_if_failed(sc)
-        full = cotangents.fill(in_cts, [aval(v) for v in jaxpr.invars])
-        return full[:n_consts], full[n_consts:]
-
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run
 
 
 def _refuse(jaxpr, n_consts, n_args, args, known, paths, fname) -> None:
@@ -183,30 +145,38 @@ class _Invertible:
         def flat_fun(*flat):
             return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
 
-        jaxpr, consts, out_tree = trace(flat_fun, flat_args)
-        n_consts, n_args = len(consts), len(flat_args)
-        rebuilt = [False] * n_consts + [True] * n_args
-        options = dict(decisions=self.decisions, kinks=self.kinks)
-        exposed = expose(jaxpr, rebuilt, **options)
-        # The plan is cached by structure; the custom VJP closes over this
-        # trace's jaxpr (its rules and nested constants), so it is made anew.
         paths = lambda: known_args.rebuilt_paths(args, known)  # noqa: E731
-        try:
-            plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
-        except NotInvertibleError:
-            # A continuous select on the inverted path is solved with its
-            # predicate known: store those predicates too.
-            strict = expose(jaxpr, rebuilt, **options, soft=False)
+        out_tree = []
+
+        def again(flat_fun, flat_args):
+            jaxpr, program, consts, tree = trace_program(flat_fun, flat_args)
+            out_tree.append(tree)
+            n_consts, n_args = len(consts), len(flat_args)
+            rebuilt = [False] * n_consts + [True] * n_args
+            options = dict(decisions=self.decisions, kinks=self.kinks)
+            exposed = expose(jaxpr, rebuilt, **options)
             try:
-                plan = _plan(strict.jaxpr, n_consts, n_args, paths, fname)
+                plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
             except NotInvertibleError:
-                # The program's own refusal names its equation, not the one
-                # that stores a decision.
-                _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
-                raise
-            exposed = strict
-        outs = _vjp_fun(jaxpr, exposed, plan, n_consts)(list(consts), list(flat_args))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+                # A continuous select on the inverted path is solved with its
+                # predicate known: store those predicates too.
+                strict = expose(jaxpr, rebuilt, **options, soft=False)
+                try:
+                    plan = _plan(strict.jaxpr, n_consts, n_args, paths, fname)
+                except NotInvertibleError:
+                    # The program's own refusal names its equation, not the
+                    # one that stores a decision.
+                    _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
+                    raise
+                exposed = strict
+            # The plan is cached by structure; the call closes over this
+            # trace's jaxpr (its rules and nested constants).
+            return reversible_call.call(
+                jaxpr, program, exposed, plan, consts, flat_args, again
+            )
+
+        outs = again(flat_fun, flat_args)
+        return jax.tree_util.tree_unflatten(out_tree[0], outs)
 
     def inverse(self, *example_args):
         return inverse(self, *example_args, known_argnums=self.known_argnums)

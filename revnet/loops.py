@@ -48,9 +48,9 @@ Under ``vmap`` a batch whose elements stop at different steps works as with
 elements are left unchanged (by a select), so each element records its own
 trip count; in the backward pass an element whose steps are used up is left
 unchanged in the same way, so it is walked back exactly its own trip count.
-JAX batches a custom VJP's backward pass per element, so under ``vmap`` the
-cotangents of weights shared by the batch are held per element (memory
-``batch * weights``) until they are summed.
+Under ``vmap``, ``scan`` is one scan of the batched body (the cotangents of
+shared weights are summed inside each step); ``while_loop``'s backward pass is
+batched per element by JAX, holding them per element until they are summed.
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ from revnet._engine import (
     expose,
     leaf_paths,
     not_invertible,
+    scan_call,
     scan_function,
     trace,
+    trace_program,
     while_function,
 )
 from revnet.drift import DriftMonitor
@@ -376,18 +378,12 @@ def scan(
         or ``unroll`` is negative, or when ``checkpoints`` or ``anchor_every``
         is below 1.
     """
+    options = (f, length, reverse, unroll, mode, invert, anchor_every, drift)
     length, reverse, unroll, mode, anchor_every, drift = _checks.scan_options(
-        f,
-        length,
-        reverse,
-        unroll,
-        mode,
-        invert,
-        anchor_every,
-        drift,
-        decisions,
-        kinks,
+        *options, decisions, kinks
     )
+    again_options = dict(checkpoints=checkpoints, mode=mode, anchor_every=anchor_every)
+    again_options |= dict(drift=drift, decisions=decisions, kinks=kinks)
     fname = carry.name(f, "f")
     c_leaves, c_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
@@ -417,7 +413,7 @@ def scan(
         return out[: trees[-1][1].num_leaves]
 
     c_leaves = carry.promoted_carry(carry_of_f, c_leaves, x_slices)
-    jaxpr, consts, _ = trace(flat_f, c_leaves + x_slices)
+    jaxpr, program, consts, _ = trace_program(flat_f, c_leaves + x_slices)
     nk = len(consts)
     out_tree, c_out_tree = trees[-1]
     carry.check_carry(
@@ -445,6 +441,10 @@ def scan(
         anchor_every = max(n, 1)  # the initial carry only
     report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
     run = scan_function(sp, mode, slots, anchor_every, report, exposed.kept[:extra])
-    final, ys = carry.call("scan", run, list(consts), c_leaves, x_leaves)
-    ys = list(ys)[: len(ys) - extra]
+
+    def again(body, c, x):  # under jax.vmap: the scan of the batched body
+        return scan(body, c, x, n, reverse, unroll, **again_options)
+
+    run_scan = lambda *g: carry.call("scan", run, *g)  # noqa: E731
+    final, ys = scan_call(program, n, run_scan, consts, c_leaves, x_leaves, again)
     return jax.tree_util.tree_unflatten(out_tree, list(final) + ys)

@@ -218,12 +218,19 @@ UNDER_SCAN3 = bool(jax.config.jax_scan3)
 
 
 def primitives(fun, *args) -> set[str]:
-    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included."""
+    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included; a
+    hijax call is also named with its class (``call_hi_primitive[Scan3]``) and
+    seen through to its expansion."""
     names: set[str] = set()
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
             names.add(e.primitive.name)
+            if e.primitive.name == jx.HI_CALL:
+                names.add(f"{jx.HI_CALL}[{jx.hi_kind(e)}]")
+                body = jx.call_body(e)
+                if body is not None:
+                    walk(body.jaxpr)
             for p in e.params.values():
                 inner = jx.nested_jaxpr(p)
                 if inner is not None:

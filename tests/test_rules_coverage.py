@@ -42,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import revnet
+from revnet._engine import jaxpr as jx
 from revnet._engine import registry
 from tests.helpers import assert_trees_close, cotangents_like, tolerance
 
@@ -260,7 +261,12 @@ _RULE_CASES: dict[str, _Case] = {
 
 
 def _sub_jaxprs(eqn):
-    """Nested jaxprs whose inputs correspond one to one to the equation's."""
+    """Nested jaxprs whose inputs correspond one to one to the equation's (a
+    hijax call's expansion, such as revnet's own calls, included)."""
+    if eqn.primitive.name == jx.HI_CALL:
+        body = jx.call_body(eqn)
+        if body is not None and not body.consts:
+            yield body.jaxpr
     for value in eqn.params.values():
         inner = getattr(value, "jaxpr", value)
         if hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars):

@@ -24,6 +24,7 @@ from revnet._engine import (
     layout,  # noqa: F401  (registers: the convolution evaluator)
     perturbed,
     registry,
+    reversible_call,
     scan,  # noqa: F401  (registers: lax.scan)
     select,  # noqa: F401  (registers: select_n with a known predicate)
     shard_map,  # noqa: F401  (registers: shard_map)
@@ -57,9 +58,10 @@ from revnet._engine.errors import (
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
 from revnet._engine.loops import choose, revolve, scan_function, while_function
+from revnet._engine.loops.batched import scan_call
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
-from revnet._engine.tracing import trace
+from revnet._engine.tracing import trace, trace_program
 
 __all__ = [
     "CAST",
@@ -99,10 +101,13 @@ __all__ = [
     "refusal",
     "register_inverse",
     "registry",
+    "reversible_call",
     "revolve",
+    "scan_call",
     "scan_function",
     "stats",
     "tag",
     "trace",
+    "trace_program",
     "while_function",
 ]

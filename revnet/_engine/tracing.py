@@ -28,6 +28,20 @@ def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list, Any]
       ``consts`` holds every closed-over value, possibly tracers of an outer
       transformation or integer arrays (keys, counters).
     """
+    jaxpr, _, consts, out_tree = trace_program(fun, args)
+    return jaxpr, consts, out_tree
+
+
+def trace_program(
+    fun: Callable[..., Any], args: Sequence[Any]
+) -> tuple[Any, Any, list, Any]:
+    """``(jaxpr, program, consts, out_tree)``: :func:`trace`'s results, and the
+    open jaxpr as traced (``program``), before :func:`prepare`.
+
+    The analysis reads ``jaxpr``; a call batched by ``jax.vmap`` evaluates
+    ``program``, in which revnet's own nested calls are still calls that
+    batch themselves (:mod:`.jaxpr.vmappable`).
+    """
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
     jaxpr = closed.jaxpr
@@ -35,7 +49,7 @@ def trace(fun: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list, Any]
     open_jaxpr = jaxpr.replace(
         constvars=[], invars=list(jaxpr.constvars) + list(jaxpr.invars)
     )
-    return prepare(open_jaxpr), consts, out_tree
+    return prepare(open_jaxpr), open_jaxpr, consts, out_tree
 
 
 def prepare(jaxpr: Any) -> Any:
@@ -50,7 +64,8 @@ def prepare(jaxpr: Any) -> Any:
 
 
 def inline_jits(jaxpr: Any) -> Any:
-    """Replaces nested ``jit`` equations (without constants) by their bodies.
+    """Replaces nested ``jit`` equations (without constants) by their bodies,
+    and revnet's own calls (:mod:`.jaxpr.vmappable`) by their custom VJPs.
 
     ``jnp`` functions are jits (``jnp.where`` is a jit around ``select_n``), and
     inverting them may need equations on both sides of the boundary. Inlining
@@ -58,6 +73,8 @@ def inline_jits(jaxpr: Any) -> Any:
     """
 
     def inlinable(e):
+        if jx.hi_kind(e) == jx.REVNET_CALL:  # revnet's own call: its custom VJP
+            return not jx.call_body(e).consts
         return e.primitive.name in jx.JIT_NAMES and not jx.closed_consts(
             e.params["jaxpr"]
         )
@@ -74,7 +91,7 @@ def inline_jits(jaxpr: Any) -> Any:
         if not inlinable(e):
             eqns.append(e.replace(invars=[outer(a) for a in e.invars]))
             continue
-        inner = inline_jits(jx.as_body(e.params["jaxpr"]).jaxpr)
+        inner = inline_jits(jx.call_body(e).jaxpr)
         env = {bv: outer(ov) for bv, ov in zip(inner.invars, e.invars)}
 
         def rename(a, env=env):

@@ -16,6 +16,8 @@ ordinary autodiff: the twin to compare with.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -29,6 +31,13 @@ from revnet._stack import invert_stack, run_stack
 from revnet.eqx._call import call, holds_state, missing_state
 
 _NAME = "ReversibleSequence"
+
+
+def _raised_by_revnet(e: BaseException) -> bool:
+    """Whether revnet raised ``e`` (its errors name the module already)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root)
 
 
 def _layer(static: Any, axis_name: Hashable | None):
@@ -49,7 +58,20 @@ def _layer(static: Any, axis_name: Hashable | None):
             out_axes=(0, None),
             axis_name=axis_name,
         )
-        return batched(h, state, keys)
+        try:
+            return batched(h, state, keys)
+        except (TypeError, ValueError) as e:
+            if _raised_by_revnet(e):
+                raise
+            said = (
+                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            )
+            raise type(e)(
+                f"{_NAME}: the block failed on one example of shape {h.shape[1:]}: "
+                f"the sequence vmaps it over the leading axis of x (axis_name="
+                f"{axis_name!r}); if x is ONE example, build the sequence with "
+                f"axis_name=None and jax.vmap it over examples. The block said: {said}"
+            ) from e
 
     return layer
 
@@ -66,6 +88,12 @@ class ReversibleSequence(eqx.Module):
     key=key) -> (y, state)`` when its blocks hold state (build it with
     ``eqx.nn.make_with_state``). It works under ``eqx.filter_jit`` and
     ``eqx.filter_grad``; differentiate in reverse mode only.
+
+    Equinox's per-example idiom works too: build it with ``axis_name=None``
+    and ``jax.vmap`` (or ``eqx.filter_vmap``) the sequence over examples. The
+    batched program then runs as one reversible call, so per-example code
+    costs what the batched call costs (the weights' cotangents are summed
+    inside each layer, not held per example).
 
     Example:
 
@@ -155,7 +183,9 @@ class ReversibleSequence(eqx.Module):
 
     def _per_layer(self, x, state, key, where):
         ndim = 1 if self.axis_name is None else 2
-        shape = "[...]" if self.axis_name is None else "[batch, ...]"
+        shape = "[...]"
+        if self.axis_name is not None:
+            shape = "[batch, ...] (for ONE example, axis_name=None and jax.vmap)"
         check_input(f"{_NAME}.{where}", x, min_rank=ndim, expected=shape)
         if state is None and holds_state(self.blocks):
             raise missing_state(_NAME, "the block")

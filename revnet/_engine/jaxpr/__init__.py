@@ -23,6 +23,7 @@ equations), :mod:`.branches` (``cond``, ``while``), :mod:`.scans`,
 :mod:`.source` (source lines) and :mod:`.rewrite` (building equations).
 """
 
+from revnet._engine.jaxpr import vmappable
 from revnet._engine.jaxpr.atoms import (
     Jaxpr,
     JaxprEqn,
@@ -70,7 +71,13 @@ from revnet._engine.jaxpr.calls import (
     tag_of,
 )
 from revnet._engine.jaxpr.evaluate import bind, bind_params, context, eval_with
-from revnet._engine.jaxpr.hijax import HI_CALL, hi_kind, lower_refs, scan3_refusal
+from revnet._engine.jaxpr.hijax import (
+    HI_CALL,
+    REVNET_CALL,
+    hi_kind,
+    lower_refs,
+    scan3_refusal,
+)
 from revnet._engine.jaxpr.rewrite import (
     inline_body,
     live_equations,
@@ -90,6 +97,7 @@ from revnet._engine.jaxpr.source import caller_site, where
 
 __all__ = [
     "HI_CALL",
+    "REVNET_CALL",
     "JIT_NAMES",
     "Body",
     "Jaxpr",
@@ -143,6 +151,7 @@ __all__ = [
     "sharding_key",
     "splice",
     "stacked",
+    "vmappable",
     "struct",
     "tag",
     "tag_of",

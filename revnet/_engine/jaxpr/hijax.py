@@ -34,6 +34,7 @@ HI_CALL = "call_hi_primitive"
 _SCAN3 = "Scan3"
 
 HI_CUSTOM_VJP = ("CustomVJPTraced",)
+REVNET_CALL = "RevnetCall"  # revnet's own calls (:mod:`.vmappable`)
 
 
 def hi_kind(eqn: JaxprEqn) -> str:
