@@ -55,7 +55,7 @@ test-next: $(STAMP_TEST)
 demo: $(STAMP_EXP)
 	$(PY) -m benchmarks.run --quick --out results
 
-# Random programs against plain JAX (make test runs 2,000 of them): prints the
+# Random programs against plain JAX (make test-all runs 3,000 of them): prints the
 # counts per construct and the first failures; exits 1 if a program was wrong.
 FUZZ_PROGRAMS ?= 20000
 FUZZ_SEED ?= 1

@@ -200,6 +200,18 @@ def test_one_optax_step_equals_the_twins():
     assert_trees_close(new[True], new[False], tolerance(jnp.float32, loops=True))
 
 
+class NoKey(eqx.Module):
+    """A block whose ``__call__`` takes no ``key=``."""
+
+    lin: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(8, 8, key=key)
+
+    def __call__(self, h):
+        return h + self.lin(h)
+
+
 def _seq(**kwargs):
     return revnet.eqx.ReversibleSequence(
         make_block(4), **{"num_layers": 2, "key": jax.random.key(0), **kwargs}
@@ -215,6 +227,21 @@ def _seq(**kwargs):
             "make_block must be callable",
         ),
         (lambda: _seq(num_layers=0), ValueError, "num_layers must be a positive"),
+        (
+            lambda: revnet.eqx.ReversibleSequence(
+                eqx.nn.Linear(8, 8, key=jax.random.key(0)), 2, key=jax.random.key(0)
+            ),
+            TypeError,
+            r"make_block must build a block from a PRNG key, got an instance of "
+            r"Linear; pass a function, such as lambda key: Linear\(\.\.\., key=key\)",
+        ),
+        (
+            lambda: revnet.eqx.ReversibleSequence(
+                lambda k: NoKey(k), 2, key=jax.random.key(0)
+            ),
+            TypeError,
+            r"the block NoKey must take a key= argument .* add key=None",
+        ),
         (lambda: _seq(key=0), TypeError, "key must be a PRNG key"),
         (lambda: _seq(anchor_every=0), ValueError, "anchor_every must be a positive"),
         (lambda: _seq(drift=1e-3), TypeError, "drift must be a revnet.DriftMonitor"),

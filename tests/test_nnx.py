@@ -332,6 +332,12 @@ BAD_INPUT = [
     (lambda: seq(anchor_every=0), ValueError, "anchor_every must be"),
     (lambda: seq(decisions="x"), ValueError, "decisions"),
     (lambda: seq(lambda rngs: jnp.tanh), TypeError, "must create an nnx.Module"),
+    (
+        lambda: seq(nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))),
+        TypeError,
+        r"block must create a block, got an instance of Linear; pass its class or "
+        r"a function, such as lambda rngs: Linear\(\.\.\., rngs=rngs\)",
+    ),
     (lambda: rnnx.AdditiveCoupling(jnp.tanh, 3), TypeError, "g must be callable"),
     (lambda: rnnx.AffineCoupling(jnp.tanh, scale="x"), ValueError, "scale must be"),
     (

@@ -16,6 +16,7 @@ ordinary autodiff: the twin to compare with.
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Hashable
@@ -38,6 +39,23 @@ def _raised_by_revnet(e: BaseException) -> bool:
     frames = traceback.extract_tb(e.__traceback__)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root)
+
+
+def _check_takes_key(block: Any) -> None:
+    """Checks that ``block(h, key=...)`` can be called: the sequence passes
+    every block its key (dropout replays from it)."""
+    try:
+        params = inspect.signature(type(block).__call__).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: leave it to the call
+        return
+    kinds = {p.kind for p in params}
+    if "key" in {p.name for p in params} or inspect.Parameter.VAR_KEYWORD in kinds:
+        return
+    raise TypeError(
+        f"{_NAME}: the block {type(block).__name__} must take a key= argument "
+        "(the sequence passes each block its PRNG key); add key=None to its "
+        "__call__."
+    )
 
 
 def _layer(static: Any, axis_name: Hashable | None):
@@ -160,6 +178,12 @@ class ReversibleSequence(eqx.Module):
             ``decisions`` or ``kinks`` is unknown.
         """
         check_callable(_NAME, "make_block", make_block)
+        if isinstance(make_block, eqx.Module):
+            raise TypeError(
+                f"{_NAME}: make_block must build a block from a PRNG key, got an "
+                f"instance of {type(make_block).__name__}; pass a function, such "
+                f"as lambda key: {type(make_block).__name__}(..., key=key)."
+            )
         self.num_layers = check_int(_NAME, "num_layers", num_layers)
         options = check_stack_options(
             _NAME,
@@ -180,6 +204,7 @@ class ReversibleSequence(eqx.Module):
             raise fail(_NAME, "key", key, "a PRNG key such as jax.random.key(0)")
         keys = jax.random.split(key, self.num_layers)
         self.blocks = eqx.filter_vmap(make_block)(keys)
+        _check_takes_key(self.blocks)
 
     def _per_layer(self, x, state, key, where):
         ndim = 1 if self.axis_name is None else 2

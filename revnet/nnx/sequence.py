@@ -117,6 +117,12 @@ class ReversibleSequence(nnx.Module):
             ``decisions`` or ``kinks`` is not one of its choices.
         """
         check_callable(_NAME, "block", block)
+        if isinstance(block, nnx.Module):
+            raise TypeError(
+                f"{_NAME}: block must create a block, got an instance of "
+                f"{type(block).__name__}; pass its class or a function, such as "
+                f"lambda rngs: {type(block).__name__}(..., rngs=rngs)."
+            )
         num_layers = check_int(_NAME, "num_layers", num_layers)
         check_rngs(_NAME, rngs)
         _lift.check_defaults(_NAME)
