@@ -92,6 +92,12 @@ def _path(key_path: Any) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in key_path)
 
 
+def _stacking_axes(path: str) -> int:
+    """How many leading layer axes a parameter has: one per stacked
+    :class:`~revnet.blocks.ReversibleSequence` on its path (``.../~/layers/...``)."""
+    return path.count("~/layers/")
+
+
 def _resolve(
     logical: tuple, axes: Mapping[str, Any] | None, where: str
 ) -> tuple[Any, ...]:
@@ -136,7 +142,10 @@ def partition(
     ONE layer sees it (``("embed", "mlp")`` for a linear layer's ``w``);
     dimensions the leaf has in front of those (the ``num_layers`` axis of a
     stacked :class:`~revnet.blocks.ReversibleSequence`, one per nesting level)
-    get ``None``. An empty spec ``()`` replicates a leaf of any rank.
+    get ``None``. An empty spec ``()`` replicates a leaf of any rank. A spec
+    with fewer entries than one layer's parameter has dimensions is refused
+    (a stacked leaf is recognised by its path: each ``~/layers/`` on it is one
+    leading layer axis).
 
     Args:
       params: A Haiku parameter tree (or any tree of arrays or
@@ -155,7 +164,8 @@ def partition(
 
     Raises:
       ValueError: If a leaf matches no rule (add ``(".*", ())`` to replicate
-        the rest), a spec has more entries than the leaf has dimensions,
+        the rest), a spec has more entries than the leaf has dimensions or
+        fewer than one layer's parameter has,
         names an axis the mesh lacks or one twice, or a sharded dimension is
         not divisible by its mesh axes' size.
       TypeError: If a rule is not a ``(pattern, spec)`` pair.
@@ -183,6 +193,13 @@ def partition(
             raise ValueError(
                 f"partition: {where}: the spec {spec} has {len(spec)} entries, "
                 f"more than the leaf's {ndim} dimensions."
+            )
+        per_layer = ndim - _stacking_axes(path)
+        if spec and len(spec) < per_layer:
+            raise ValueError(
+                f"partition: {where}: the spec {spec} has {len(spec)} entries, fewer "
+                f"than the {per_layer} dimensions of one layer's parameter; name "
+                "each of them (None for a replicated one)."
             )
         full = (None,) * (ndim - len(spec)) + spec if spec else ()
         used = [

@@ -615,3 +615,65 @@ def test_numpy_arguments_are_accepted():
     model = hk.transform(fn)
     params = model.init(jax.random.PRNGKey(0), x)
     assert model.apply(params, None, x).shape == (2, 4)
+
+
+def _one_device_mesh():
+    return jax.make_mesh((1, 1), ("data", "model"))
+
+
+def _block(x):
+    a, b = jnp.split(x, 2, -1)
+    return jnp.concatenate([a + jnp.tanh(hk.Linear(4, name="lin")(b)), b], -1)
+
+
+def test_partition_refuses_a_spec_shorter_than_one_layers_parameter():
+    # A stacked kernel w: [layers, in, out] named by one entry would be placed
+    # as P(None, None, "model"), on the wrong dimension: refused, naming its path.
+    def net(x):
+        return blocks.ReversibleSequence(_block, num_layers=3, name="net")(x)
+
+    params = hk.transform(net).init(jax.random.key(0), jnp.ones((2, 8)))
+    mesh = _one_device_mesh()
+    with pytest.raises(ValueError) as err:
+        blocks.partition(params, mesh, ((r"lin/w$", ("model",)), (".*", ())))
+    message = str(err.value)
+    assert (
+        "'net/~/layers/lin/w'" in message and "fewer than the 2 dimensions" in message
+    )
+    assert "\n" not in message
+    # One layer's full spec gets the layer axis in front; nested sequences two.
+    got = blocks.partition(params, mesh, ((r"lin/w$", ("data", "model")), (".*", ())))
+    assert got["net/~/layers/lin"]["w"].spec == jax.sharding.PartitionSpec(
+        None, "data", "model"
+    )
+
+    def nested(x):
+        inner = lambda h: blocks.ReversibleSequence(_block, 2, name="inner")(h)  # noqa: E731
+        return blocks.ReversibleSequence(inner, num_layers=3, name="outer")(x)
+
+    params = hk.transform(nested).init(jax.random.key(0), jnp.ones((2, 8)))
+    got = blocks.partition(params, mesh, ((r"lin/b$", ("model",)), (".*", ())))
+    leaf = got["outer/~/layers/inner/~/layers/lin"]
+    assert leaf["b"].spec == jax.sharding.PartitionSpec(None, None, "model")
+
+
+@pytest.mark.parametrize("model", ["transformer", "revnet"])
+def test_partition_accepts_the_built_in_rules_on_their_models(model):
+    if model == "transformer":
+        rules = blocks.TRANSFORMER_RULES
+
+        def net(x):
+            return blocks.ReversibleTransformer(2, 2, 8, 16)(x, True)
+
+        x = jnp.ones((2, 4, 8))
+    else:
+        rules = blocks.REVNET_RULES
+
+        def net(x):
+            return blocks.RevNet("revnet38", 10)(x, True)
+
+        x = jnp.ones((1, 8, 8, 3))
+    params = jax.eval_shape(hk.transform_with_state(net).init, jax.random.key(0), x)[0]
+    axes = {"embed": "data", "heads": "model", "mlp": "model", "conv_out": "model"}
+    shardings = blocks.partition(params, _one_device_mesh(), rules, axes=axes)
+    assert any("model" in str(s.spec) for s in jax.tree.leaves(shardings))

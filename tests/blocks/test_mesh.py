@@ -237,7 +237,8 @@ def test_partition_rules():
     refused(rules, "no rule matches 'net/~/layers/~/layers/lin/b'", axes=axes)
     refused(((".*", ("data", None, None, None)),), "more than the leaf's")
     refused(((".*", ("data", "data")),), "uses a mesh axis twice")
-    refused(((".*", ("nope",)),), "the mesh has no axis 'nope'")
+    refused(((".*", (None, "nope")),), "the mesh has no axis 'nope'")
+    refused(((".*", ("data",)),), "fewer than the 2 dimensions of one layer's")
     refused(((r"b$", ("data",)), (".*", ())), "6 is not divisible by the size 4")
     """,
         _MESH_PRELUDE,
