@@ -17,6 +17,7 @@ down (:func:`_walk_back`). :func:`backward` picks between them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,57 @@ from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
 from revnet._engine.loops.store import merge
 from revnet._engine.plan import Plan
+
+
+@dataclasses.dataclass
+class _Walk:
+    """What both walks back over a scan read: its body, values and types."""
+
+    sp: jx.ScanParams
+    plan: Plan
+    body_consts: list
+    consts: list
+    xs_known: list
+    ys_known: list
+    stored: list  # the stored carry leaves' stacked values
+    mask: list  # per carry leaf: stored (True) or rebuilt by the plan
+    messages: list
+
+    @property
+    def rebuilt(self) -> int:
+        """How many carry leaves the plan rebuilds."""
+        return len(self.mask) - len(self.stored)
+
+    def avals(self, part: str) -> list:
+        """The body's ``"consts"``, ``"carry"``, ``"xs"`` or ``"ys"`` types."""
+        body = self.sp.body.jaxpr
+        nc, ncar = self.sp.num_consts, self.sp.num_carry
+        ins = body.invars[len(self.body_consts) :]
+        vs = {
+            "consts": ins[:nc],
+            "carry": ins[nc : nc + ncar],
+            "xs": ins[nc + ncar :],
+            "ys": body.outvars[ncar:],
+        }[part]
+        return [jx.aval(v) for v in vs]
+
+    def step(self, carry, y_t, s_t, x_t, cts=None, perturbed=None):
+        """One step back: the plan's values (and cotangents), checked."""
+        with checks.scope() as sc:
+            vals, in_cts = run_plan(
+                self.plan,
+                self.sp.body.jaxpr,
+                self.body_consts + self.consts + list(s_t) + list(x_t),
+                list(carry) + list(y_t),
+                cts,
+                perturbed,
+            )
+        return vals, in_cts, sc
+
+    def scan(self, body, state, per):
+        sp = self.sp
+        kw = dict(length=sp.length, reverse=not sp.reverse, unroll=sp.unroll)
+        return jx.scan(body, state, per, **kw)
 
 
 def reversed_scan(
@@ -70,58 +122,58 @@ def reversed_scan(
       anchors that have a report, the drift at each anchor is reported.
     """
     nc, ncar = sp.num_consts, sp.num_carry
-    body_consts = list(sp.body.consts)
-    body_jaxpr = sp.body.jaxpr
-    consts = list(known[:nc])
-    xs_known = [x for x, k in zip(known[nc + ncar :], known_xs) if k]
-    final = list(outs[:ncar])
-    ys_known = [y for y, k in zip(outs[ncar:], known_ys) if k]
-    body_invars = body_jaxpr.invars[len(body_consts) :]
-    carry_avals = [jx.aval(v) for v in body_invars[nc : nc + ncar]]
-    const_avals = [jx.aval(v) for v in body_invars[:nc]]
-    x_avals = [jx.aval(v) for v in body_invars[nc + ncar :]]
-    y_avals = [jx.aval(v) for v in body_jaxpr.outvars[ncar:]]
-    const_float = [ct.is_float_aval(a) for a in const_avals]
-    checking = checks.enabled()
-    messages: list[str] = []
-    scan_kw = dict(length=sp.length, reverse=not sp.reverse, unroll=sp.unroll)
     stored = list(stored) if stored is not None else [None] * ncar
-    mask = [v is not None for v in stored]
-    stored = [v for v in stored if v is not None]
-    nr = ncar - len(stored)  # carry leaves the plan rebuilds
-
+    walk = _Walk(
+        sp,
+        plan,
+        list(sp.body.consts),
+        list(known[:nc]),
+        [x for x, k in zip(known[nc + ncar :], known_xs) if k],
+        [y for y, k in zip(outs[ncar:], known_ys) if k],
+        [v for v in stored if v is not None],
+        [v is not None for v in stored],
+        [],
+    )
+    final = list(outs[:ncar])
     if out_cts is None:
         if anchors is not None:
             raise ValueError("reversed_scan: anchors need cotangents")
+        return _rebuild(walk, final), None
+    return _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed)
 
-        def body(state, per):
-            carry, bad = state
-            x_t, y_t, s_t = per
-            with checks.scope() as sc:
-                vals, _ = run_plan(
-                    plan,
-                    body_jaxpr,
-                    body_consts + consts + list(s_t) + list(x_t),
-                    list(carry) + list(y_t),
-                )
-            carry = merge(vals[:nr], s_t, mask)
-            return (carry, checks.merge(bad, sc, messages)), vals[nr:]
 
-        (init, bad), xs_new = jx.scan(
-            body,
-            (final, jnp.int32(-1) if checking else None),
-            (xs_known, ys_known, stored),
-            **scan_kw,
-        )
-        checks.record_index(bad, messages)
-        return list(init) + list(xs_new), None
+def _rebuild(walk: _Walk, final: list) -> list:
+    """The initial carry and unknown ``xs``, walking back from ``final``."""
+    nr = walk.rebuilt
 
+    def body(state, per):
+        carry, bad = state
+        x_t, y_t, s_t = per
+        vals, _, sc = walk.step(carry, y_t, s_t, x_t)
+        carry = merge(vals[:nr], s_t, walk.mask)
+        return (carry, checks.merge(bad, sc, walk.messages)), vals[nr:]
+
+    bad0 = jnp.int32(-1) if checks.enabled() else None
+    (init, bad), xs_new = walk.scan(
+        body, (final, bad0), (walk.xs_known, walk.ys_known, walk.stored)
+    )
+    checks.record_index(bad, walk.messages)
+    return list(init) + list(xs_new)
+
+
+def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
+    """:func:`reversed_scan` with cotangents: the walk back fused with the
+    body's VJP, continuing from the anchors."""
+    sp, nr = walk.sp, walk.rebuilt
+    nc, ncar, nb = sp.num_consts, sp.num_carry, len(walk.body_consts)
+    carry_avals, y_avals = walk.avals("carry"), walk.avals("ys")
+    x_avals, const_avals = walk.avals("xs"), walk.avals("consts")
+    const_float = [ct.is_float_aval(a) for a in const_avals]
     body_perturbed = None
     if perturbed is not None:
-        nb = len(body_consts)
         p_consts, p_xs = list(perturbed[:nc]), list(perturbed[nc + ncar :])
         p_carry = pb.loop_carry(
-            body_jaxpr, [False] * nb + p_consts, perturbed[nc : nc + ncar], p_xs
+            sp.body.jaxpr, [False] * nb + p_consts, perturbed[nc : nc + ncar], p_xs
         )
         body_perturbed = [False] * nb + p_consts + p_carry + p_xs
     ct_ys = list(out_cts[ncar:])
@@ -138,24 +190,16 @@ def reversed_scan(
             c if c is not None else ct.zeros(a)
             for c, a in zip(list(ctc) + cty_t, [*carry_avals, *y_avals])
         ]
-        with checks.scope() as sc:
-            vals, in_cts = run_plan(
-                plan,
-                body_jaxpr,
-                body_consts + consts + list(s_t) + list(x_t),
-                list(carry) + list(y_t),
-                cts_t,
-                body_perturbed,
-            )
-        bad = checks.merge(bad, sc, messages)
-        in_cts = in_cts[len(body_consts) :]
+        vals, in_cts, sc = walk.step(carry, y_t, s_t, x_t, cts_t, body_perturbed)
+        bad = checks.merge(bad, sc, walk.messages)
+        in_cts = in_cts[nb:]
         new_ctk = [
             ct.add(a, b) if f else None
             for a, b, f in zip(ctk, in_cts[:nc], const_float)
         ]
         new_ctc = ct.float_or_none(in_cts[nc : nc + ncar], carry_avals)
         x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
-        carry = merge(vals[:nr], s_t, mask)
+        carry = merge(vals[:nr], s_t, walk.mask)
         if anchors is not None:
             carry, drift = anc.restore(anchors, carry, i, drift)
             i = i - 1
@@ -168,7 +212,7 @@ def reversed_scan(
         final,
         ct.float_or_none(out_cts[:ncar], carry_avals),
         ct_consts0,
-        jnp.int32(-1) if checking else None,
+        jnp.int32(-1) if checks.enabled() else None,
         (None, None)
         if anchors is None
         else (
@@ -176,13 +220,11 @@ def reversed_scan(
             anc.start(anchors, anc.count(sp.length, anchors.every)),
         ),
     )
-    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = jx.scan(
-        body,
-        state,
-        (xs_known, ys_known, stored, [c for c, h in zip(ct_ys, has_ct_y) if h]),
-        **scan_kw,
+    present = [c for c, h in zip(ct_ys, has_ct_y) if h]
+    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = walk.scan(
+        body, state, (walk.xs_known, walk.ys_known, walk.stored, present)
     )
-    checks.record_index(bad, messages)
+    checks.record_index(bad, walk.messages)
     if anchors is not None:
         anc.report(anchors, drift, anc.count(sp.length, anchors.every))
     return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
