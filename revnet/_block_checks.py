@@ -6,11 +6,20 @@ The generic argument checks they use live in :mod:`revnet._checks`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from revnet._checks import check_bool, check_int, check_monitor
+from revnet._checks import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_monitor,
+    check_real,
+    fail,
+)
+from revnet._engine import show
 from revnet.invertible import invertible
 
 
@@ -133,3 +142,99 @@ def check_stack_options(
 def stack_options(sequence: Any) -> dict[str, Any]:
     """The :data:`STACK_OPTIONS` a sequence stored, for ``run_stack``."""
     return {name: getattr(sequence, name) for name in STACK_OPTIONS}
+
+
+def check_blocks(
+    module: str,
+    arg: str,
+    blocks: Any,
+    num_layers: Any,
+    *,
+    anchored: bool,
+) -> tuple[tuple[Any, ...], int, bool]:
+    """Checks a sequence's blocks: one block stacked ``num_layers`` times, or
+    a list of different blocks run one after another.
+
+    Args:
+      module: Name of the module, for error messages.
+      arg: Name of the blocks' argument (``"block_fn"``, ``"block"``, ...).
+      blocks: A callable, or a non-empty list of callables.
+      num_layers: The number of copies of a single block; None with a list.
+      anchored: Whether ``anchor_every`` or ``drift`` was given, which need
+        a single block.
+
+    Returns:
+      ``(blocks, num_layers, stacked)``: the blocks as a tuple (one entry for
+      a stacked block), the number of layers and whether they are stacked.
+
+    Raises:
+      TypeError: If ``blocks`` is neither a callable nor a list of callables,
+        or ``num_layers`` is not an integer.
+      ValueError: If ``num_layers`` is missing with one block or given with a
+        list, the list is empty, or anchors are asked of a list.
+    """
+    if callable(blocks):
+        if num_layers is None:
+            raise ValueError(
+                f"{module}: num_layers must be a positive integer with a single "
+                f"{arg}, got None."
+            )
+        return (blocks,), check_int(module, "num_layers", num_layers), True
+    if anchored:
+        raise ValueError(
+            f"{module}: anchor_every and drift need a single {arg} stacked "
+            "num_layers times; a list of blocks is unrolled and has no anchors."
+        )
+    expected = "a callable or a non-empty list of callables"
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+        raise fail(module, arg, blocks, expected)
+    listed = tuple(blocks)
+    for i, block in enumerate(listed):
+        check_callable(module, f"{arg}[{i}]", block)
+    if num_layers is not None or not listed:
+        raise ValueError(
+            f"{module}: with a list of blocks leave out num_layers and give at "
+            f"least one block, got {len(listed)} blocks and "
+            f"num_layers={show(num_layers)}."
+        )
+    return listed, len(listed), False
+
+
+def check_transformer(
+    module: str, model_size: Any, num_heads: Any, mlp_size: Any, dropout_rate: Any
+) -> tuple[int, int, int, float]:
+    """Checks a reversible transformer block's sizes and dropout rate.
+
+    Returns:
+      ``(model_size, num_heads, mlp_size, dropout_rate)``, checked.
+
+    Raises:
+      TypeError: If a size is not an integer or the rate not a number.
+      ValueError: If a size is not positive, the rate not in ``[0, 1)``, or
+        ``model_size`` is odd or its halves are not divisible by
+        ``num_heads``.
+    """
+    model_size = check_int(module, "model_size", model_size)
+    num_heads = check_int(module, "num_heads", num_heads)
+    mlp_size = check_int(module, "mlp_size", mlp_size)
+    rate = check_real(
+        module, "dropout_rate", dropout_rate, "a number in [0, 1)", 0.0, 1.0
+    )
+    if model_size % 2 or (model_size // 2) % num_heads:
+        raise ValueError(
+            f"{module}: model_size must be even and model_size // 2 divisible by "
+            f"num_heads, got model_size={model_size}, num_heads={num_heads}."
+        )
+    return model_size, num_heads, mlp_size, rate
+
+
+def check_width(module: str, x: Any, rank: int, expected: str, hint: str = "") -> None:
+    """Checks that ``x`` has ``rank`` and the last axis of ``expected``, a
+    shape such as ``"[batch, time, 16]"``; ``hint`` ends the message."""
+    check_input(module, x, rank=rank, expected=expected + hint)
+    width = int(expected.rstrip("]").rsplit(",", 1)[-1])
+    if x.shape[-1] != width:
+        raise ValueError(
+            f"{module}: expected an input of shape {expected}{hint}, got "
+            f"{tuple(x.shape)}."
+        )

@@ -217,17 +217,15 @@ UNDER_CUSTOM_VJP3 = bool(jax.config.jax_custom_vjp3)
 UNDER_SCAN3 = bool(jax.config.jax_scan3)
 
 
-def primitives(fun, *args) -> set[str]:
-    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included; a
-    hijax call is also named with its class (``call_hi_primitive[Scan3]``) and
-    seen through to its expansion."""
-    names: set[str] = set()
+def equations(fun, *args) -> list:
+    """The equations of ``fun``'s jaxpr, nested jaxprs included, in order; a
+    hijax call is followed by the equations of its expansion."""
+    found: list = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
-            names.add(e.primitive.name)
+            found.append(e)
             if e.primitive.name == jx.HI_CALL:
-                names.add(f"{jx.HI_CALL}[{jx.hi_kind(e)}]")
                 body = jx.call_body(e)
                 if body is not None:
                     walk(body.jaxpr)
@@ -237,4 +235,16 @@ def primitives(fun, *args) -> set[str]:
                     walk(inner[0])
 
     walk(jax.make_jaxpr(fun)(*args).jaxpr)
+    return found
+
+
+def primitives(fun, *args) -> set[str]:
+    """Names of the primitives in ``fun``'s jaxpr, nested jaxprs included; a
+    hijax call is also named with its class (``call_hi_primitive[Scan3]``) and
+    seen through to its expansion."""
+    names: set[str] = set()
+    for e in equations(fun, *args):
+        names.add(e.primitive.name)
+        if e.primitive.name == jx.HI_CALL:
+            names.add(f"{jx.HI_CALL}[{jx.hi_kind(e)}]")
     return names

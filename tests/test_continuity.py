@@ -222,6 +222,20 @@ def _n_stored(f, *args, **options):
 _X = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
 
 
+def _layer_norm(h):
+    """A LayerNorm of a narrow ``h`` computed in float32, returned narrow."""
+    u = h.astype(jnp.float32)
+    u = (u - jnp.mean(u, -1, keepdims=True)) * lax.rsqrt(jnp.var(u, -1) + 1e-5)[
+        ..., None
+    ]
+    return u.astype(h.dtype)
+
+
+def _bf16_mean_scaled(h):
+    """``jnp.mean`` of a narrow ``h`` (accumulated in float32) times ``h``."""
+    return jnp.tanh(jnp.mean(h, -1, keepdims=True) * h)
+
+
 @pytest.mark.parametrize(
     "act",
     [
@@ -245,6 +259,9 @@ _X = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
         jax.grad(lambda x: jnp.sum(jax.nn.softplus(x))),
         # A compute_dtype policy: rounding into a bfloat16 computation.
         lambda x: jnp.tanh(x.astype(jnp.bfloat16)).astype(x.dtype),
+        # ... that widens on the way and rounds back (a float32 LayerNorm).
+        lambda x: _layer_norm(x.astype(jnp.bfloat16)).astype(x.dtype),
+        lambda x: _bf16_mean_scaled(x.astype(jnp.bfloat16)).astype(x.dtype),
     ],
 )
 def test_continuous_selects_guards_and_policy_casts_store_nothing(act):
@@ -266,6 +283,11 @@ def test_continuous_selects_guards_and_policy_casts_store_nothing(act):
         lambda x: jnp.round(x),
         lambda x: lax.reduce_precision(x, 4, 3),
         lambda x: x.astype(jnp.bfloat16).astype(x.dtype),
+        # Widened and rounded back, but also read in float32: quantisation.
+        lambda x: (
+            _layer_norm(x.astype(jnp.bfloat16)).astype(x.dtype)
+            + x.astype(jnp.bfloat16).astype(x.dtype)
+        ),
         lambda x: jnp.take(jnp.arange(5.0), jnp.searchsorted(jnp.arange(4.0), x)),
     ],
 )

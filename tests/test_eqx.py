@@ -224,7 +224,7 @@ def _seq(**kwargs):
         (
             lambda: revnet.eqx.ReversibleSequence(3, 2, key=jax.random.key(0)),
             TypeError,
-            "make_block must be callable",
+            "make_block must be a callable or a non-empty list",
         ),
         (lambda: _seq(num_layers=0), ValueError, "num_layers must be a positive"),
         (

@@ -325,7 +325,7 @@ def ones(*shape, dtype=jnp.float32):
 
 
 BAD_INPUT = [
-    (lambda: seq(3), TypeError, "block must be callable"),
+    (lambda: seq(3), TypeError, "block must be a callable or a non-empty list"),
     (lambda: seq(num_layers=0), ValueError, "num_layers must be a positive"),
     (lambda: seq(rngs=0), TypeError, "rngs must be an nnx.Rngs"),
     (lambda: seq(reversible="yes"), TypeError, "reversible must be"),

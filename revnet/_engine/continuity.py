@@ -24,8 +24,10 @@ structural  a call, loop or branch: its body is classified, equation by
 
 A cast to a narrower float is rounding: into a computation done in the
 narrow dtype (a ``compute_dtype`` policy) it is that computation's own
-rounding, recomputed like it; cast back to a wider float (fake quantisation,
-``x.astype(bfloat16).astype(float32)``) it is a decision.
+rounding, recomputed like it, also where the computation widens on the way
+and rounds back (a LayerNorm accumulating in float32, then returning
+bfloat16); cast back to a wider float that reaches an output as such (fake
+quantisation, ``x.astype(bfloat16).astype(float32)``) it is a decision.
 
 The rule is "a decision unless proven otherwise": a primitive not listed as
 smooth, kink, guard or structural is a decision when it reads a rebuilt float,
@@ -150,6 +152,16 @@ def narrowing_float_cast(eqn: Any) -> bool:
     src, dst = jx.aval(eqn.invars[0]).dtype, eqn.params["new_dtype"]
     floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
     return bool(floats and _narrowing(src, dst))
+
+
+def rounds_to(eqn: Any, dtype: Any, *, src: bool = False) -> bool:
+    """Whether ``eqn`` casts a float to a float no wider than ``dtype`` (with
+    ``src``: casts a float no wider than ``dtype`` to a float)."""
+    if jx.primitive_name(eqn) != "convert_element_type":
+        return False
+    a, b = jx.aval(eqn.invars[0]).dtype, eqn.params["new_dtype"]
+    floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+    return bool(floats and not _narrowing(a if src else b, dtype))
 
 
 def widening_float_cast(eqn: Any) -> bool:

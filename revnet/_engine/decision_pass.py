@@ -61,6 +61,11 @@ class _Result:
     tout: list
 
 
+# How many values :meth:`Pass._computes_narrow` follows before it gives up
+# (and the cast is stored, as a decision).
+_NARROW_SEARCH = 10_000
+
+
 class Pass(NestedCalls):
     """One rewrite: tracks which variables are rebuilt, collects decisions."""
 
@@ -231,9 +236,8 @@ class Pass(NestedCalls):
         cls = cont.classify(e)
         if cls in (cont.SMOOTH, cont.GUARD, cont.STRUCTURAL):
             return keep
-        if cont.narrowing_float_cast(e) and not any(
-            use is not None and cont.widening_float_cast(use)
-            for use, _ in self.uses.get(e0.outvars[0], [])
+        if cont.narrowing_float_cast(e) and (
+            self._computes_narrow(e0) or self._rounds_back(e0)
         ):
             return keep  # rounding into a computation in the narrow dtype
         if cls == cont.KINK:
@@ -251,6 +255,63 @@ class Pass(NestedCalls):
         if name in _STORE_OUTPUTS:
             return self._outputs(e, outs)
         return self._at_point(e, tin, "inputs")
+
+    def _computes_narrow(self, cast: Any) -> bool:
+        """Whether the rounding ``cast`` feeds a computation in its narrow
+        dtype (mixed precision), not a quantisation read back in a wider one.
+
+        Its narrow result may be widened on the way (a LayerNorm or a sum
+        accumulating in float32) if every value computed from the widened
+        one is rounded again to a dtype no wider than the narrow one before
+        it reaches an output; a widened value that reaches an output in the
+        wider dtype makes the rounding a quantisation step, a decision.
+        """
+        narrow = cast.params["new_dtype"]
+        todo = [
+            v
+            for use, _ in self.uses.get(cast.outvars[0], [])
+            if use is not None and cont.widening_float_cast(use)
+            for v in use.outvars
+        ]
+        seen: set = set()
+        while todo:
+            v = todo.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if len(seen) > _NARROW_SEARCH:
+                return False
+            for use, _ in self.uses.get(v, []):
+                if use is None:
+                    return False
+                if cont.rounds_to(use, narrow):
+                    continue
+                todo.extend(
+                    o
+                    for o in use.outvars
+                    if not jx.is_dropvar(o) and is_float_aval(jx.aval(o))
+                )
+        return True
+
+    def _rounds_back(self, cast: Any) -> bool:
+        """Whether the rounding ``cast`` ends a stretch of a narrow
+        computation done wider: every rebuilt value it reads comes from
+        values widened from its narrow dtype (a LayerNorm of ``bfloat16``
+        accumulating in float32, rounding its result back)."""
+        narrow = cast.params["new_dtype"]
+        todo, seen = [cast.invars[0]], set()
+        while todo:
+            v = todo.pop()
+            if jx.is_literal(v) or not self.tainted(v) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            e = self.producer.get(v)
+            if e is None or len(seen) > _NARROW_SEARCH:
+                return False  # a rebuilt input of the program, read wide
+            if cont.widening_float_cast(e) and cont.rounds_to(e, narrow, src=True):
+                continue
+            todo.extend(a for a in e.invars if is_float_aval(jx.aval(a)))
+        return True
 
     def _outputs(self, e, outs):
         """``e`` kept, its results ``outs`` stored."""

@@ -22,22 +22,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from revnet._layers.precision import cast_floats
 from revnet.blocks.sharding import replicated_in_auto_axes
 
 PureApply = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Casts the floating point leaves of ``tree`` to ``dtype``."""
-    if dtype is None:
-        return tree
-
-    def cast(leaf):
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            return jnp.asarray(leaf, dtype)
-        return leaf
-
-    return jax.tree.map(cast, tree)
 
 
 class Lifted:

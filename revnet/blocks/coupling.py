@@ -25,9 +25,9 @@ from revnet._checks import (
     check_bool,
     check_callable,
 )
+from revnet._layers.precision import coupling_compute_dtype
 from revnet.blocks._lift import Lifted
 from revnet.blocks._names import check_name
-from revnet.blocks._precision import coupling_compute_dtype
 
 _EXPECTED = _couplings.EXPECTED[1]
 

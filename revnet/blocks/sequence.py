@@ -31,20 +31,18 @@ import jax
 import numpy as np
 
 import revnet
-from revnet._block_checks import check_input, check_stack_options, stack_options
-from revnet._checks import (
-    check_callable,
-    check_float_dtype,
-    check_int,
-    check_sharding,
-    fail,
+from revnet._block_checks import (
+    check_blocks,
+    check_input,
+    check_stack_options,
+    stack_options,
 )
-from revnet._engine import show
+from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.precision import ComputeDtype
+from revnet._layers.sharding import constrain, sharded_layer
 from revnet._stack import invert_stack, run_stack
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name
-from revnet.blocks._precision import ComputeDtype
-from revnet.blocks.sharding import constrain, sharded_layer
 
 BlockFn = Callable[..., jax.Array]
 
@@ -180,19 +178,14 @@ class ReversibleSequence(hk.Module):
         self.activation_sharding = check_sharding(
             module, "activation_sharding", activation_sharding
         )
-        if not callable(block_fn) and (anchor_every is not None or drift is not None):
-            raise ValueError(
-                f"{module}: anchor_every and drift need a single block_fn stacked "
-                "num_layers times; a list of block functions is unrolled and has no "
-                "anchors."
-            )
-        if callable(block_fn):
-            if num_layers is None:
-                raise ValueError(
-                    f"{module}: num_layers must be a positive integer with a single "
-                    "block_fn, got None."
-                )
-            self.num_layers = check_int(module, "num_layers", num_layers)
+        block_fns, self.num_layers, self._stacked = check_blocks(
+            module,
+            "block_fn",
+            block_fn,
+            num_layers,
+            anchored=anchor_every is not None or drift is not None,
+        )
+        if self._stacked:
             self._lifted = (
                 Lifted(
                     self._compute.scoped(block_fn),
@@ -202,31 +195,13 @@ class ReversibleSequence(hk.Module):
                 ),
             )
         else:
-            expected = "a callable or a non-empty list of callables"
-            if isinstance(block_fn, (str, bytes)) or not isinstance(block_fn, Sequence):
-                raise fail(module, "block_fn", block_fn, expected)
-            block_fns = list(block_fn)
-            for i, fn in enumerate(block_fns):
-                check_callable(module, f"block_fn[{i}]", fn)
-            if num_layers is not None or not block_fns:
-                raise ValueError(
-                    f"{module}: with a list of block functions leave out "
-                    f"num_layers and give at least one function, got "
-                    f"{len(block_fns)} functions and num_layers={show(num_layers)}."
-                )
-            self.num_layers = len(block_fns)
             self._lifted = tuple(
-                Lifted(
-                    self._compute.scoped(fn),
-                    self,
-                    f"block_{i}",
-                )
+                Lifted(self._compute.scoped(fn), self, f"block_{i}")
                 for i, fn in enumerate(block_fns)
             )
-        self._stacked = callable(block_fn)
         # The block functions as given (one entry for ``num_layers`` copies),
         # for running the same blocks another way, such as a plain-Haiku loop.
-        self.block_fns = (block_fn,) if self._stacked else tuple(block_fns)
+        self.block_fns = block_fns
 
     def _layers(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """The layer function(s) and per-layer parameters, state and keys of

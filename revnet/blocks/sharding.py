@@ -15,15 +15,11 @@ Two pieces, one for each kind of array a training step holds:
   level, so one rule serves a layer whatever the depth.
 
 * **Activations** are constrained by the blocks' ``activation_sharding=``
-  option (a ``PartitionSpec`` of the residual stream, e.g. ``P("data")``):
-  each layer's input and output are constrained with
-  ``with_sharding_constraint`` under Auto mesh axes. Under **Explicit** axes
-  (``jax.make_mesh``'s default) each layer runs with the mesh's axes Auto
-  inside (``jax.sharding.auto_axes``) and its output is resharded to the
-  spec: Haiku's modules call ``jnp.dot`` without ``out_sharding``, which an
-  Explicit mesh refuses on a contraction sharded on both sides (the tensor
-  parallel MLP), so the compiler partitions the layer's inside as under Auto
-  axes, while the stream between layers keeps its Explicit type.
+  option (a ``PartitionSpec`` of the residual stream, e.g. ``P("data")``),
+  the same in every front door (``revnet/_layers/sharding.py``, where
+  :func:`constrain` comes from): each layer's input and output are
+  constrained to it, and under Explicit mesh axes each layer runs with the
+  axes Auto inside.
 
 Sharding is not part of the invertibility analysis: ``sharding_constraint`` and
 ``reshard`` are identities to the core, and every value the
@@ -50,6 +46,16 @@ from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from revnet._layers.sharding import constrain
+
+__all__ = [
+    "REVNET_RULES",
+    "TRANSFORMER_RULES",
+    "constrain",
+    "partition",
+    "replicated_in_auto_axes",
+]
 
 Rule = tuple[str, Any]
 
@@ -225,59 +231,6 @@ def partition(
         return NamedSharding(mesh, PartitionSpec(*full))
 
     return jax.tree_util.tree_map_with_path(place, params)
-
-
-def _explicit(spec: Any) -> bool:
-    """Whether ``spec`` is to be applied on a mesh with Explicit axes."""
-    mesh = spec.mesh if isinstance(spec, NamedSharding) else None
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return False
-    return any(t == AxisType.Explicit for t in mesh.axis_types)
-
-
-def constrain(x: Any, spec: Any) -> Any:
-    """``x`` constrained to ``spec`` on the current mesh, in either mode.
-
-    Args:
-      x: An array (or a tree of arrays).
-      spec: A ``PartitionSpec`` (on the mesh set by ``jax.set_mesh``) or a
-        ``NamedSharding``.
-
-    Returns:
-      ``x`` resharded to ``spec`` under Explicit mesh axes
-      (``jax.sharding.reshard``), or with ``with_sharding_constraint`` under
-      Auto axes or with no mesh set.
-    """
-    if spec is None:
-        return x
-    if _explicit(spec):
-        return jax.sharding.reshard(x, spec)
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def sharded_layer(
-    layer: Callable[..., tuple[jax.Array, Any]], spec: Any
-) -> Callable[..., tuple[jax.Array, Any]]:
-    """``layer(params, state, key, h) -> (y, new_state)`` with ``h`` and ``y``
-    constrained to ``spec``; under Explicit axes the layer runs in Auto axes.
-
-    New state (BatchNorm statistics) leaves the layer replicated.
-    """
-    if spec is None:
-        return layer
-
-    def run(params, state, key, h):
-        h = constrain(h, spec)
-        if not _explicit(spec):
-            y, new_state = layer(params, state, key, h)
-            return constrain(y, spec), new_state
-        replicated = jax.tree.map(lambda _: PartitionSpec(), state)
-        auto = jax.sharding.auto_axes(layer, out_sharding=(spec, replicated))
-        return auto(params, state, key, h)
-
-    return run
 
 
 def replicated_in_auto_axes(fn: Callable[..., Any]) -> Callable[..., Any]:

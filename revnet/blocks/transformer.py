@@ -15,8 +15,8 @@ import haiku as hk
 import jax
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
-from revnet._checks import check_bool, check_float_dtype, check_int, check_real
+from revnet._block_checks import check_anchors, check_transformer, check_width
+from revnet._checks import check_bool, check_float_dtype, check_int
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence
@@ -102,21 +102,12 @@ class ReversibleTransformer(hk.Module):
         super().__init__(name=name)
         module = self.module_name
         num_layers = check_int(module, "num_layers", num_layers)
-        num_heads = check_int(module, "num_heads", num_heads)
-        model_size = check_int(module, "model_size", model_size)
-        mlp_size = check_int(module, "mlp_size", mlp_size)
-        dropout_rate = check_real(
-            module, "dropout_rate", dropout_rate, "a number in [0, 1)", 0.0, 1.0
+        model_size, num_heads, mlp_size, dropout_rate = check_transformer(
+            module, model_size, num_heads, mlp_size, dropout_rate
         )
         reversible = check_bool(module, "reversible", reversible)
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         anchors = check_anchors(module, anchor_every, drift)
-        if model_size % 2 or (model_size // 2) % num_heads:
-            raise ValueError(
-                f"{self.module_name}: model_size must be even and model_size // 2 "
-                f"divisible by num_heads, got model_size={model_size}, "
-                f"num_heads={num_heads}."
-            )
         self.model_size = model_size
         half = model_size // 2
 
@@ -153,13 +144,7 @@ class ReversibleTransformer(hk.Module):
         )
 
     def _check(self, x: Any) -> None:
-        expected = f"[batch, time, {self.model_size}]"
-        check_input(self.module_name, x, rank=3, expected=expected)
-        if x.shape[-1] != self.model_size:
-            raise ValueError(
-                f"{self.module_name}: expected an input of shape {expected}, got "
-                f"{tuple(x.shape)}."
-            )
+        check_width(self.module_name, x, 3, f"[batch, time, {self.model_size}]")
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
         """Encodes ``x`` of shape ``[batch, time, model_size]``."""

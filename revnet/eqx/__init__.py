@@ -4,11 +4,12 @@ Modules are pytrees, randomness is an explicit ``key=``, BatchNorm statistics
 live in an ``eqx.nn.State``. A block is any Equinox module the core can run
 backwards equation by equation (plain ``jnp`` code around ``eqx.nn.Linear``,
 ``eqx.nn.MLP``, ``eqx.nn.LayerNorm``, ``eqx.nn.BatchNorm``, ``eqx.nn.Dropout``,
-or revnet's couplings). :class:`ReversibleSequence` stacks ``num_layers``
-copies built with ``eqx.filter_vmap``, as in Equinox's scan-over-layers recipe,
-and runs them on revnet's framework-free stack (``revnet/_stack.py``), the one
-under the Haiku and Flax NNX front doors too. Needs ``pip install
-'revnet[equinox]'``.
+or revnet's couplings and :class:`ReversibleTransformerBlock`).
+:class:`ReversibleSequence` stacks ``num_layers`` copies built with
+``eqx.filter_vmap``, as in Equinox's scan-over-layers recipe (or a list of
+different blocks), and runs them on revnet's framework-free stack
+(``revnet/_stack.py``), the one under the Haiku and Flax NNX front doors too.
+Needs ``pip install 'revnet[equinox]'``.
 """
 
 try:
@@ -20,5 +21,11 @@ except ImportError:
 
 from revnet.eqx.coupling import AdditiveCoupling, AffineCoupling
 from revnet.eqx.sequence import ReversibleSequence
+from revnet.eqx.transformer import ReversibleTransformerBlock
 
-__all__ = ["AdditiveCoupling", "AffineCoupling", "ReversibleSequence"]
+__all__ = [
+    "AdditiveCoupling",
+    "AffineCoupling",
+    "ReversibleSequence",
+    "ReversibleTransformerBlock",
+]

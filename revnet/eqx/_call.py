@@ -12,6 +12,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from revnet._layers.precision import cast_floats, cast_like
+
 
 def _is_index(leaf: Any) -> bool:
     return isinstance(leaf, eqx.nn.StateIndex)
@@ -56,3 +58,35 @@ def call(
             f"{type(out).__name__}."
         )
     return out
+
+
+def call_in(
+    dtype: Any,
+    where: str,
+    what: str,
+    module: Any,
+    h: jax.Array,
+    state: eqx.nn.State | None,
+    key: jax.Array | None,
+) -> tuple[jax.Array, eqx.nn.State | None]:
+    """:func:`call` computing in ``dtype`` (None: as is).
+
+    The module's floating point arrays, its state and ``h`` are cast to
+    ``dtype``, the output back to ``h``'s dtype and new state to the state's
+    own dtypes; gradients reach the arrays through the casts, in their own
+    dtype.
+    """
+    if dtype is None:
+        return call(where, what, module, h, state, key)
+    held = state.substate(module) if state is not None and holds_state(module) else None
+    y, sub = call(
+        where,
+        what,
+        cast_floats(module, dtype),
+        h.astype(dtype),
+        cast_floats(held, dtype),
+        key,
+    )
+    if sub is not None:
+        sub = cast_like(sub, held)
+    return y.astype(h.dtype), sub

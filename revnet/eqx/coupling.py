@@ -18,7 +18,8 @@ import jax
 
 from revnet import _couplings
 from revnet._checks import check_callable
-from revnet.eqx._call import call
+from revnet._layers.precision import coupling_compute_dtype
+from revnet.eqx._call import call_in
 
 
 def _split(key: jax.Array | None, num: int) -> tuple[jax.Array | None, ...]:
@@ -53,8 +54,9 @@ class AdditiveCoupling(eqx.Module):
 
     f: Any
     g: Any
+    compute_dtype: Any = eqx.field(static=True)
 
-    def __init__(self, f: Any, g: Any):
+    def __init__(self, f: Any, g: Any, *, compute_dtype: Any = None):
         """Constructs the coupling.
 
         Args:
@@ -62,21 +64,29 @@ class AdditiveCoupling(eqx.Module):
             returning an array shaped like ``x1``.
           g: Equinox module applied to ``y1``, returning an array shaped like
             ``x2``.
+          compute_dtype: None, or a floating point dtype (e.g.
+            ``jnp.bfloat16``) in which ``f`` and ``g`` compute: their inputs
+            and floating point arrays are cast to it and their outputs back,
+            while the arrays, the state and the stream keep their dtype. Left
+            out inside a :class:`~revnet.eqx.ReversibleSequence` with a
+            ``compute_dtype``, the sequence's is used.
 
         Raises:
-          TypeError: If ``f`` or ``g`` is not callable.
+          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype``
+            is not None or a floating point dtype.
         """
         self.f = check_callable("AdditiveCoupling", "f", f)
         self.g = check_callable("AdditiveCoupling", "g", g)
+        self.compute_dtype = coupling_compute_dtype("AdditiveCoupling", compute_dtype)
 
     def _forward(self, state, key):
         kf, kg = _split(key, 2)
-        name = "AdditiveCoupling"
+        name, dtype = "AdditiveCoupling", self.compute_dtype
 
         def forward(h):
             return _couplings.additive(
-                lambda u: call(name, "f", self.f, u, state, kf),
-                lambda u: call(name, "g", self.g, u, state, kg),
+                lambda u: call_in(dtype, name, "f", self.f, u, state, kf),
+                lambda u: call_in(dtype, name, "g", self.g, u, state, kg),
                 h,
                 batch_dims=0,
                 name=name,
@@ -141,9 +151,15 @@ class AffineCoupling(eqx.Module):
     net: Any
     scale: str = eqx.field(static=True)
     scale_bound: float | None = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True)
 
     def __init__(
-        self, net: Any, *, scale: str = "sigmoid", scale_bound: float | None = None
+        self,
+        net: Any,
+        *,
+        scale: str = "sigmoid",
+        scale_bound: float | None = None,
+        compute_dtype: Any = None,
     ):
         """Constructs the coupling.
 
@@ -153,10 +169,14 @@ class AffineCoupling(eqx.Module):
           scale: ``"sigmoid"``, ``"tanh"`` or ``"exp"``.
           scale_bound: With ``scale="tanh"``, the log-scale's bound (default
             2.0); give it with ``"tanh"`` only.
+          compute_dtype: None, or a floating point dtype in which ``net``
+            computes (see :class:`AdditiveCoupling`); the scale, the shift and
+            the log-determinant are applied in the stream's dtype.
 
         Raises:
-          TypeError: If ``net`` is not callable, ``scale`` not a string or
-            ``scale_bound`` not a number.
+          TypeError: If ``net`` is not callable, ``scale`` not a string,
+            ``scale_bound`` not a number or ``compute_dtype`` not None or a
+            floating point dtype.
           ValueError: If ``scale`` is not one of the three, or ``scale_bound``
             is not positive or given with another scale.
         """
@@ -164,13 +184,14 @@ class AffineCoupling(eqx.Module):
         self.net = check_callable(name, "net", net)
         self.scale, scale_bound = _couplings.check_scale(name, scale, scale_bound)
         self.scale_bound = scale_bound
+        self.compute_dtype = coupling_compute_dtype(name, compute_dtype)
 
     def _forward(self, state, key):
-        name = "AffineCoupling"
+        name, dtype = "AffineCoupling", self.compute_dtype
 
         def forward(h):
             return _couplings.affine(
-                lambda u: call(name, "net", self.net, u, state, key),
+                lambda u: call_in(dtype, name, "net", self.net, u, state, key),
                 h,
                 scale_kind=self.scale,
                 scale_bound=self.scale_bound,

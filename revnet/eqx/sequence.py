@@ -19,15 +19,22 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 
 import revnet
-from revnet._block_checks import check_input, check_stack_options, stack_options
-from revnet._checks import check_callable, check_int, fail
+from revnet._block_checks import (
+    check_blocks,
+    check_input,
+    check_stack_options,
+    stack_options,
+)
+from revnet._checks import check_float_dtype, check_sharding, fail
+from revnet._layers.precision import ComputeDtype
+from revnet._layers.sharding import constrain, sharded_layer
 from revnet._stack import invert_stack, run_stack
 from revnet.eqx._call import call, holds_state, missing_state
 
@@ -130,17 +137,20 @@ class ReversibleSequence(eqx.Module):
 
     blocks: Any
     num_layers: int = eqx.field(static=True)
+    stacked: bool = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
     anchor_every: int | None = eqx.field(static=True)
     drift: revnet.DriftMonitor | None = eqx.field(static=True)
     axis_name: Hashable | None = eqx.field(static=True)
     decisions: str = eqx.field(static=True)
     kinks: str = eqx.field(static=True)
+    activation_sharding: Any = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True)
 
     def __init__(
         self,
-        make_block: Callable[[jax.Array], Any],
-        num_layers: int,
+        make_block: Callable[[jax.Array], Any] | Sequence[Callable[[jax.Array], Any]],
+        num_layers: int | None = None,
         *,
         key: jax.Array,
         reversible: bool = True,
@@ -149,42 +159,73 @@ class ReversibleSequence(eqx.Module):
         axis_name: Hashable | None = "batch",
         decisions: str = "store",
         kinks: str = "recompute",
+        activation_sharding: Any = None,
+        compute_dtype: Any = None,
     ):
         """Builds ``num_layers`` blocks with ``eqx.filter_vmap(make_block)``.
 
         Args:
           make_block: Function of a PRNG key returning one block: an Equinox
             module called as ``block(h, key=key) -> y``, or ``block(h, state,
-            key=key) -> (y, state)`` if it holds state, on one example.
-          num_layers: Number of blocks.
+            key=key) -> (y, state)`` if it holds state, on one example. Or a
+            list of such functions for a stack of different blocks, run one
+            after another (unrolled: activation memory stays constant in
+            depth, compile time grows with the list).
+          num_layers: Number of blocks; leave out with a list.
           key: PRNG key; split into one key per block.
           reversible: If False, run the same blocks with ordinary backprop.
           anchor_every: None, or ``k``: the forward pass stores the stream
             before every ``k``-th layer and the backward pass restarts its
             inversion from each, so reconstruction error accumulates over at
-            most ``k`` layers.
+            most ``k`` layers. Needs a single ``make_block``.
           drift: None, or a :class:`revnet.DriftMonitor` that each backward
             pass sends the reconstruction error at every anchor to.
           axis_name: Name of the batch axis the blocks are vmapped over; None
             to give each block the whole batch instead.
           decisions: ``"store"`` or ``"recompute"``, see :func:`revnet.invertible`.
           kinks: ``"recompute"`` or ``"store"``, see :func:`revnet.invertible`.
+          activation_sharding: None, or the ``jax.sharding.PartitionSpec``
+            (on the mesh set by ``jax.set_mesh``) or ``NamedSharding`` of the
+            stream as the sequence sees it (the batch, or one example with
+            ``axis_name=None``), such as ``P("data")``: each layer's input and
+            output are constrained to it (under Explicit mesh axes each layer
+            runs with the axes Auto inside), as in the Haiku door.
+          compute_dtype: None, or a floating point dtype (e.g.
+            ``jnp.bfloat16``) in which the residual functions of the
+            couplings in the blocks (:class:`AdditiveCoupling`,
+            :class:`AffineCoupling`, :class:`ReversibleTransformerBlock`)
+            compute, unless a coupling sets its own; arrays and the stream
+            keep their dtype, so inversion keeps the stream's accuracy.
+            Blocks that build no coupling are refused.
 
         Raises:
-          TypeError: If ``make_block`` is not callable, ``num_layers`` or
+          TypeError: If ``make_block`` is not callable (or a list of
+            callables) or is a module instance, ``num_layers`` or
             ``anchor_every`` is not an integer, ``reversible`` not a bool,
-            ``drift`` not a ``revnet.DriftMonitor`` or ``key`` not a PRNG key.
-          ValueError: If ``num_layers`` or ``anchor_every`` is not positive, or
-            ``decisions`` or ``kinks`` is unknown.
+            ``drift`` not a ``revnet.DriftMonitor``, ``key`` not a PRNG key,
+            ``activation_sharding`` not a spec, ``compute_dtype`` not a
+            floating point dtype, or a block takes no ``key=``.
+          ValueError: If ``num_layers`` or ``anchor_every`` is not positive,
+            ``num_layers`` is missing with one block or given with a list,
+            anchors are asked of a list, ``decisions`` or ``kinks`` is
+            unknown, or ``compute_dtype`` is given and the blocks build no
+            coupling.
         """
-        check_callable(_NAME, "make_block", make_block)
-        if isinstance(make_block, eqx.Module):
-            raise TypeError(
-                f"{_NAME}: make_block must build a block from a PRNG key, got an "
-                f"instance of {type(make_block).__name__}; pass a function, such "
-                f"as lambda key: {type(make_block).__name__}(..., key=key)."
-            )
-        self.num_layers = check_int(_NAME, "num_layers", num_layers)
+        makers, self.num_layers, self.stacked = check_blocks(
+            _NAME,
+            "make_block",
+            make_block,
+            num_layers,
+            anchored=anchor_every is not None or drift is not None,
+        )
+        for i, maker in enumerate(makers):
+            if isinstance(maker, eqx.Module):
+                where = "make_block" if self.stacked else f"make_block[{i}]"
+                raise TypeError(
+                    f"{_NAME}: {where} must build a block from a PRNG key, got an "
+                    f"instance of {type(maker).__name__}; pass a function, such "
+                    f"as lambda key: {type(maker).__name__}(..., key=key)."
+                )
         options = check_stack_options(
             _NAME,
             reversible=reversible,
@@ -196,6 +237,11 @@ class ReversibleSequence(eqx.Module):
         for option, value in options.items():
             setattr(self, option, value)
         self.axis_name = axis_name
+        self.activation_sharding = check_sharding(
+            _NAME, "activation_sharding", activation_sharding
+        )
+        compute = ComputeDtype(check_float_dtype(_NAME, "compute_dtype", compute_dtype))
+        self.compute_dtype = compute.dtype
         typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(
             key.dtype, jax.dtypes.prng_key
         )
@@ -203,8 +249,15 @@ class ReversibleSequence(eqx.Module):
         if not (typed or raw):
             raise fail(_NAME, "key", key, "a PRNG key such as jax.random.key(0)")
         keys = jax.random.split(key, self.num_layers)
-        self.blocks = eqx.filter_vmap(make_block)(keys)
-        _check_takes_key(self.blocks)
+        if self.stacked:
+            self.blocks = eqx.filter_vmap(compute.scoped(make_block))(keys)
+            blocks = (self.blocks,)
+        else:
+            self.blocks = tuple(compute.scoped(m)(k) for m, k in zip(makers, keys))
+            blocks = self.blocks
+        compute.check_used(_NAME)
+        for block in blocks:
+            _check_takes_key(block)
 
     def _per_layer(self, x, state, key, where):
         ndim = 1 if self.axis_name is None else 2
@@ -214,11 +267,19 @@ class ReversibleSequence(eqx.Module):
         check_input(f"{_NAME}.{where}", x, min_rank=ndim, expected=shape)
         if state is None and holds_state(self.blocks):
             raise missing_state(_NAME, "the block")
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-        substate = None if state is None else state.substate(self.blocks)
         keys = None if key is None else jax.random.split(key, self.num_layers)
-        layer = _layer(static, self.axis_name)
-        return layer, (params, substate, keys)
+        blocks = (self.blocks,) if self.stacked else self.blocks
+        layers, per_layer = [], []
+        for i, block in enumerate(blocks):
+            params, static = eqx.partition(block, eqx.is_array)
+            substate = None if state is None else state.substate(block)
+            layer = _layer(static, self.axis_name)
+            layers.append(sharded_layer(layer, self.activation_sharding))
+            layer_keys = keys if keys is None or self.stacked else keys[i]
+            per_layer.append((params, substate, layer_keys))
+        if self.stacked:
+            return layers[0], per_layer[0]
+        return layers, per_layer
 
     def __call__(
         self,
@@ -230,14 +291,19 @@ class ReversibleSequence(eqx.Module):
         """Applies the blocks to the batch ``x``; returns ``y``, or ``(y,
         state)`` when given ``state``."""
         layer, per_layer = self._per_layer(x, state, key, "__call__")
-        y, new_substate = run_stack(
+        y, new_substates = run_stack(
             layer,
             per_layer,
-            x,
+            constrain(x, self.activation_sharding),
             **stack_options(self),
             name=_NAME,
         )
-        return y if state is None else (y, state.update(new_substate))
+        if state is None:
+            return y
+        for sub in (new_substates,) if self.stacked else new_substates:
+            if sub is not None:
+                state = state.update(sub)
+        return y, state
 
     def inverse(
         self,
@@ -261,4 +327,5 @@ class ReversibleSequence(eqx.Module):
           revnet.NotInvertibleError: If a block cannot be run backwards.
         """
         layer, per_layer = self._per_layer(y, state, key, "inverse")
+        y = constrain(y, self.activation_sharding)
         return invert_stack(layer, per_layer, y, name=_NAME)

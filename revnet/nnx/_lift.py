@@ -28,6 +28,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from revnet._layers.precision import cast_floats, cast_like
+
 Apply = Callable[[nnx.State, nnx.State, jax.Array], tuple[Any, nnx.State]]
 """``apply(params, state, h) -> (out, new_state)``, pure."""
 
@@ -105,5 +107,28 @@ def layer(apply: Apply) -> Callable[..., tuple[jax.Array, Any]]:
     def run(params, state, key, h):
         del key
         return apply(params, state, h)
+
+    return run
+
+
+def in_dtype(fn: Callable[[jax.Array], jax.Array], dtype: Any) -> Callable:
+    """``fn`` computing in ``dtype``: a residual function of a coupling.
+
+    Its input and, for an ``nnx.Module``, its parameters are cast to ``dtype``
+    and its output back to the input's dtype; the module's new state (such as
+    BatchNorm statistics) is written back in the state's own dtype. Gradients
+    reach the parameters through the casts, in their own dtype.
+    """
+    if dtype is None:
+        return fn
+
+    def run(h: jax.Array) -> jax.Array:
+        if not isinstance(fn, nnx.Module):
+            return fn(h.astype(dtype)).astype(h.dtype)
+        graphdef, params, rest = nnx.split(fn, nnx.Param, ...)
+        module = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
+        out = module(h.astype(dtype))
+        nnx.update(fn, cast_like(nnx.split(module, nnx.Param, ...)[2], rest))
+        return out.astype(h.dtype)
 
     return run

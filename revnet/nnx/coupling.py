@@ -11,12 +11,14 @@ other code; on its own, a coupling differentiates like any NNX module, and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
 
 from revnet import _couplings
 from revnet._checks import check_callable
+from revnet._layers.precision import coupling_compute_dtype
 from revnet.nnx import _lift
 
 Residual = Callable[[jax.Array], jax.Array]
@@ -50,7 +52,7 @@ class AdditiveCoupling(nnx.Module):
     True
     """
 
-    def __init__(self, f: Residual, g: Residual):
+    def __init__(self, f: Residual, g: Residual, *, compute_dtype: Any = None):
         """Constructs the coupling.
 
         Args:
@@ -59,18 +61,29 @@ class AdditiveCoupling(nnx.Module):
             ``nnx.Linear``, a ``nnx.BatchNorm`` and a ``nnx.Dropout``) or a
             plain function.
           g: Residual function of ``y1`` returning an array shaped like ``x2``.
+          compute_dtype: None, or a floating point dtype (e.g.
+            ``jnp.bfloat16``) in which ``f`` and ``g`` compute: their inputs
+            and parameters are cast to it and their outputs back, while the
+            parameters, the statistics and the stream keep their dtype. Left
+            out inside a :class:`~revnet.nnx.ReversibleSequence` with a
+            ``compute_dtype``, the sequence's is used.
 
         Raises:
-          TypeError: If ``f`` or ``g`` is not callable.
+          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype``
+            is not None or a floating point dtype.
         """
-        self.f = check_callable(type(self).__name__, "f", f)
-        self.g = check_callable(type(self).__name__, "g", g)
+        where = type(self).__name__
+        self.f = check_callable(where, "f", f)
+        self.g = check_callable(where, "g", g)
+        self.compute_dtype = coupling_compute_dtype(where, compute_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
+        f = _lift.in_dtype(self.f, self.compute_dtype)
+        g = _lift.in_dtype(self.g, self.compute_dtype)
         y, _ = _couplings.additive(
-            lambda h: (self.f(h), None),
-            lambda h: (self.g(h), None),
+            lambda h: (f(h), None),
+            lambda h: (g(h), None),
             x,
             name=type(self).__name__,
         )
@@ -119,6 +132,7 @@ class AffineCoupling(nnx.Module):
         *,
         scale: str = "sigmoid",
         scale_bound: float | None = None,
+        compute_dtype: Any = None,
     ):
         """Constructs the coupling.
 
@@ -128,10 +142,14 @@ class AffineCoupling(nnx.Module):
           scale: ``"sigmoid"``, ``"tanh"`` or ``"exp"``.
           scale_bound: With ``scale="tanh"``, the bound of the log-scale
             (default 2.0); give it with ``"tanh"`` only.
+          compute_dtype: None, or a floating point dtype in which ``net``
+            computes (see :class:`AdditiveCoupling`); the scale, the shift
+            and the log-determinant are applied in the stream's dtype.
 
         Raises:
-          TypeError: If ``net`` is not callable, ``scale`` not a string or
-            ``scale_bound`` not a number or None.
+          TypeError: If ``net`` is not callable, ``scale`` not a string,
+            ``scale_bound`` not a number or None, or ``compute_dtype`` not
+            None or a floating point dtype.
           ValueError: If ``scale`` is not one of the three, or ``scale_bound``
             is not positive and finite, or is given with another scale.
         """
@@ -139,6 +157,7 @@ class AffineCoupling(nnx.Module):
         self.net = check_callable(where, "net", net)
         self.scale, scale_bound = _couplings.check_scale(where, scale, scale_bound)
         self.scale_bound = scale_bound
+        self.compute_dtype = coupling_compute_dtype(where, compute_dtype)
 
     def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Applies the coupling and returns ``log|det dy/dx|`` per example.
@@ -154,8 +173,9 @@ class AffineCoupling(nnx.Module):
             ``net`` returns the wrong shape.
           TypeError: If ``x`` is not floating point.
         """
+        net = _lift.in_dtype(self.net, self.compute_dtype)
         (y, log_det), _ = _couplings.affine(
-            lambda h: (self.net(h), None),
+            lambda h: (net(h), None),
             x,
             scale_kind=self.scale,
             scale_bound=self.scale_bound,

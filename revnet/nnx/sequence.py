@@ -14,15 +14,22 @@ once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
 import revnet
-from revnet._block_checks import check_input, check_stack_options, stack_options
-from revnet._checks import check_callable, check_int
+from revnet._block_checks import (
+    check_blocks,
+    check_input,
+    check_stack_options,
+    stack_options,
+)
+from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.precision import ComputeDtype
+from revnet._layers.sharding import constrain, sharded_layer
 from revnet._stack import invert_stack, run_stack
 from revnet.nnx import _lift
 
@@ -37,6 +44,27 @@ def check_rngs(where: str, rngs: Any) -> nnx.Rngs:
             f"{type(rngs).__name__}."
         )
     return rngs
+
+
+def _check_factory(block: Any, where: str) -> None:
+    """Refuses a module instance where a factory of blocks is expected."""
+    if isinstance(block, nnx.Module):
+        raise TypeError(
+            f"{_NAME}: {where} must create a block, got an instance of "
+            f"{type(block).__name__}; pass its class or a function, such as "
+            f"lambda rngs: {type(block).__name__}(..., rngs=rngs)."
+        )
+
+
+def _created(block: Callable[..., Any], rngs: nnx.Rngs) -> nnx.Module:
+    """``block(rngs=rngs)``, checked to be an ``nnx.Module``."""
+    layer = block(rngs=rngs)
+    if not isinstance(layer, nnx.Module):
+        raise TypeError(
+            f"{_NAME}: block(rngs=rngs) must create an nnx.Module, got "
+            f"{type(layer).__name__}."
+        )
+    return layer
 
 
 class ReversibleSequence(nnx.Module):
@@ -73,8 +101,8 @@ class ReversibleSequence(nnx.Module):
 
     def __init__(
         self,
-        block: Callable[..., nnx.Module],
-        num_layers: int,
+        block: Callable[..., nnx.Module] | Sequence[Callable[..., nnx.Module]],
+        num_layers: int | None = None,
         *,
         rngs: nnx.Rngs,
         reversible: bool = True,
@@ -82,6 +110,8 @@ class ReversibleSequence(nnx.Module):
         drift: revnet.DriftMonitor | None = None,
         decisions: str = "store",
         kinks: str = "recompute",
+        activation_sharding: Any = None,
+        compute_dtype: Any = None,
     ):
         """Creates ``num_layers`` blocks with their variables stacked.
 
@@ -91,39 +121,61 @@ class ReversibleSequence(nnx.Module):
             ``functools.partial(MyBlock, 16)``, or ``lambda rngs:
             MyBlock(16, rngs=rngs)``. The block maps an array to an array of
             the same shape and dtype, and is invertible equation by equation.
-          num_layers: Number of blocks.
+            Or a list of such factories for a stack of different blocks, run
+            one after another (unrolled: activation memory stays constant in
+            depth, compile time grows with the list).
+          num_layers: Number of blocks; leave out with a list.
           rngs: The RNG streams the blocks are initialised from (split into
-            one per layer, as ``nnx.split_rngs`` does); blocks that hold
-            streams for dropout get one each.
+            one per layer, as ``nnx.split_rngs`` does; forked per block of a
+            list); blocks that hold streams for dropout get one each.
           reversible: If False, the very same variables run in a plain scan
             under ordinary autodiff (the honest baseline).
           anchor_every: None, or ``k``: the forward pass stores the stream
             before every ``k``-th layer, so that the backward pass's
             reconstruction error accumulates over at most ``k`` layers.
+            Needs a single ``block``.
           drift: None, or a :class:`revnet.DriftMonitor` that each backward
             pass sends the reconstruction error at the anchors to.
           decisions: ``"store"`` (default) or ``"recompute"``, as in
             :func:`revnet.invertible`.
           kinks: ``"recompute"`` (default) or ``"store"``, as in
             :func:`revnet.invertible`.
+          activation_sharding: None, or the ``jax.sharding.PartitionSpec``
+            (on the mesh set by ``jax.set_mesh``) or ``NamedSharding`` of the
+            stream, such as ``P("data")``: each layer's input and output are
+            constrained to it (under Explicit mesh axes each layer runs with
+            the axes Auto inside), as in the Haiku door.
+          compute_dtype: None, or a floating point dtype (e.g.
+            ``jnp.bfloat16``) in which the residual functions of the
+            couplings in the blocks (:class:`AdditiveCoupling`,
+            :class:`AffineCoupling`, :class:`ReversibleTransformerBlock`)
+            compute, unless a coupling sets its own; parameters and the
+            stream keep their dtype, so inversion keeps the stream's
+            accuracy. Blocks that build no coupling are refused.
 
         Raises:
-          TypeError: If ``block`` is not callable or does not create an
-            ``nnx.Module``, ``num_layers`` or ``anchor_every`` is not an
-            integer, ``rngs`` not an ``nnx.Rngs``, ``reversible`` not a bool,
-            ``drift`` not a ``revnet.DriftMonitor``, or a variable is a hijax
-            variable.
-          ValueError: If ``num_layers`` or ``anchor_every`` is not positive, or
-            ``decisions`` or ``kinks`` is not one of its choices.
+          TypeError: If ``block`` is not callable (or a list of callables),
+            is a module instance or does not create an ``nnx.Module``,
+            ``num_layers`` or ``anchor_every`` is not an integer, ``rngs``
+            not an ``nnx.Rngs``, ``reversible`` not a bool, ``drift`` not a
+            ``revnet.DriftMonitor``, ``activation_sharding`` not a spec,
+            ``compute_dtype`` not a floating point dtype, or a variable is a
+            hijax variable.
+          ValueError: If ``num_layers`` or ``anchor_every`` is not positive,
+            ``num_layers`` is missing with one block or given with a list,
+            anchors are asked of a list, ``decisions`` or ``kinks`` is not
+            one of its choices, or ``compute_dtype`` is given and the blocks
+            build no coupling.
         """
-        check_callable(_NAME, "block", block)
-        if isinstance(block, nnx.Module):
-            raise TypeError(
-                f"{_NAME}: block must create a block, got an instance of "
-                f"{type(block).__name__}; pass its class or a function, such as "
-                f"lambda rngs: {type(block).__name__}(..., rngs=rngs)."
-            )
-        num_layers = check_int(_NAME, "num_layers", num_layers)
+        blocks, self.num_layers, self._stacked = check_blocks(
+            _NAME,
+            "block",
+            block,
+            num_layers,
+            anchored=anchor_every is not None or drift is not None,
+        )
+        for i, factory in enumerate(blocks):
+            _check_factory(factory, "block" if self._stacked else f"block[{i}]")
         check_rngs(_NAME, rngs)
         _lift.check_defaults(_NAME)
         options = check_stack_options(
@@ -136,29 +188,45 @@ class ReversibleSequence(nnx.Module):
         )
         for option, value in options.items():
             setattr(self, option, value)
-        self.num_layers = num_layers
+        self.activation_sharding = check_sharding(
+            _NAME, "activation_sharding", activation_sharding
+        )
+        compute = ComputeDtype(check_float_dtype(_NAME, "compute_dtype", compute_dtype))
+        self.compute_dtype = compute.dtype
+        if self._stacked:
 
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            layer = block(rngs=rngs)
-            if not isinstance(layer, nnx.Module):
-                raise TypeError(
-                    f"{_NAME}: block(rngs=rngs) must create an nnx.Module, got "
-                    f"{type(layer).__name__}."
-                )
-            return layer
+            @nnx.split_rngs(splits=self.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return _created(compute.scoped(block), rngs)
 
-        self.layers = create(rngs)
+            self.layers = create(rngs)
+        else:
+            self.layers = nnx.List(
+                [_created(compute.scoped(b), rngs.fork()) for b in blocks]
+            )
+        compute.check_used(_NAME)
         _lift.check_vars(_NAME, self.layers)
 
-    def _per_layer(self) -> tuple[Callable[..., Any], tuple[Any, Any, None]]:
-        graphdef, params, state = _lift.split(_NAME, self.layers)
-        return _lift.layer(_lift.pure(graphdef)), (params, state, None)
+    def _per_layer(self) -> tuple[Any, Any]:
+        """The layer function(s) and per-layer ``(params, state, None)`` of
+        :func:`revnet._stack.run_stack`."""
+        spec = self.activation_sharding
+        if self._stacked:
+            graphdef, params, state = _lift.split(_NAME, self.layers)
+            layer = _lift.layer(_lift.pure(graphdef))
+            return sharded_layer(layer, spec), (params, state, None)
+        layers, per_layer = [], []
+        for module in self.layers:
+            graphdef, params, state = _lift.split(_NAME, module)
+            layers.append(sharded_layer(_lift.layer(_lift.pure(graphdef)), spec))
+            per_layer.append((params, state, None))
+        return layers, per_layer
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the blocks to ``x`` and updates their state once."""
         check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
+        x = constrain(x, self.activation_sharding)
         layer, per_layer = self._per_layer()
         y, new_state = run_stack(
             layer,
@@ -167,7 +235,11 @@ class ReversibleSequence(nnx.Module):
             **stack_options(self),
             name=_NAME,
         )
-        nnx.update(self.layers, new_state)
+        if self._stacked:
+            nnx.update(self.layers, new_state)
+        else:
+            for module, state in zip(self.layers, new_state, strict=True):
+                nnx.update(module, state)
         return y
 
     def inverse(self, y: jax.Array) -> jax.Array:
@@ -189,5 +261,6 @@ class ReversibleSequence(nnx.Module):
           revnet.NotInvertibleError: If a block cannot be run backwards.
         """
         check_input(_NAME, y, min_rank=1, expected="[batch, ...]")
+        y = constrain(y, self.activation_sharding)
         layer, per_layer = self._per_layer()
         return invert_stack(layer, per_layer, y, name=_NAME)

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from revnet._block_checks import check_input
-from revnet._checks import check_int, check_real
+from revnet._block_checks import check_transformer, check_width
 from revnet.nnx.coupling import AdditiveCoupling
 
 
@@ -82,6 +81,7 @@ class ReversibleTransformerBlock(AdditiveCoupling):
         *,
         dropout_rate: float = 0.0,
         param_dtype: Any = jnp.float32,
+        compute_dtype: Any = None,
         rngs: nnx.Rngs,
     ):
         """Creates the block.
@@ -93,41 +93,32 @@ class ReversibleTransformerBlock(AdditiveCoupling):
           mlp_size: Hidden width of the MLP.
           dropout_rate: Dropout rate after attention, inside and after the MLP.
           param_dtype: Dtype of the parameters.
+          compute_dtype: None, or a floating point dtype in which attention
+            and the MLP compute (see :class:`AdditiveCoupling`); left out
+            inside a sequence with a ``compute_dtype``, the sequence's.
           rngs: The RNG streams for the parameters and dropout.
 
         Raises:
-          TypeError: If an integer argument is not an integer, or
-            ``dropout_rate`` not a number.
+          TypeError: If an integer argument is not an integer,
+            ``dropout_rate`` not a number or ``compute_dtype`` not a floating
+            point dtype.
           ValueError: If an integer argument is not positive, ``dropout_rate``
             is not in ``[0, 1)``, or ``model_size`` is odd or its halves are
             not divisible by ``num_heads``.
         """
-        where = type(self).__name__
-        model_size = check_int(where, "model_size", model_size)
-        num_heads = check_int(where, "num_heads", num_heads)
-        mlp_size = check_int(where, "mlp_size", mlp_size)
-        rate = check_real(
-            where, "dropout_rate", dropout_rate, "a number in [0, 1)", 0.0, 1.0
+        model_size, num_heads, mlp_size, rate = check_transformer(
+            type(self).__name__, model_size, num_heads, mlp_size, dropout_rate
         )
-        if model_size % 2 or (model_size // 2) % num_heads:
-            raise ValueError(
-                f"{where}: model_size must be even and model_size // 2 divisible "
-                f"by num_heads, got model_size={model_size}, num_heads={num_heads}."
-            )
         self.model_size = model_size
         half = model_size // 2
         super().__init__(
             _Attention(half, num_heads, rate, param_dtype, rngs),
             _MLP(half, mlp_size, rate, param_dtype, rngs),
+            compute_dtype=compute_dtype,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to ``x`` of shape ``[batch, time, model_size]``."""
-        expected = f"[batch, time, {self.model_size}]"
-        check_input(type(self).__name__, x, rank=3, expected=expected)
-        if x.shape[-1] != self.model_size:
-            raise ValueError(
-                f"{type(self).__name__}: expected an input of shape {expected}, "
-                f"got {tuple(x.shape)}."
-            )
+        where, expected = type(self).__name__, f"[batch, time, {self.model_size}]"
+        check_width(where, x, 3, expected)
         return super().__call__(x)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from revnet import blocks
-from revnet.blocks._lift import cast_floats
+from revnet._layers.precision import cast_floats
 from tests.blocks.descriptors import ENTRIES, EXCUSED, Entry, described_types
 from tests.blocks.helpers import assert_trees_close
 

@@ -11,7 +11,15 @@ framework would write it, through revnet's public front door, with:
   blocks whose residual functions F and G each hold a BatchNorm (train mode,
   batch statistics) and dropout (rate :data:`RATE`), on an input ``x`` of
   shape ``[BATCH, WIDTH]``. The same ``seed`` gives the same parameters,
-  reversible or not.
+  reversible or not. It also takes the sequence's ``compute_dtype`` and
+  ``activation_sharding``;
+* ``build_mixed(*, dtype, reversible, seed=0) -> Built``: a list of
+  different blocks (that coupling, an affine coupling, that coupling again);
+* ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,
+  seed=0) -> Built``: the door's reversible transformer blocks (dropout rate
+  :data:`RATE`) on ``x`` of shape ``[BATCH, TIME, MODEL]``;
+* ``ERRORS``: ``(make, exception type, message pattern)`` rows of bad input
+  that the door refuses in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import jax
 BATCH = 16
 WIDTH = 32
 RATE = 0.1
+TIME, MODEL, HEADS, MLP = 5, 16, 2, 32
 
 
 class Built(NamedTuple):

@@ -1,15 +1,16 @@
 """The compute dtype a ``ReversibleSequence`` hands to the couplings it stacks.
 
-``ReversibleSequence(block_fn, ..., compute_dtype=jnp.bfloat16)`` cannot cast a
-whole block: a cast of the residual stream to a narrower dtype loses
-information, so the block could not be inverted. What can compute in the
-narrower dtype are the residual functions of the couplings inside the block
-(``AdditiveCoupling``'s ``f`` and ``g``, ``AffineCoupling``'s ``net``), while
-the stream keeps its dtype. The sequence runs its block function inside a
-scope that carries the dtype; a coupling built there without a
-``compute_dtype`` of its own takes the scope's, and reports that it did, so
-that a block with no coupling is refused instead of silently running in the
-stream's dtype.
+Every front door's ``ReversibleSequence(..., compute_dtype=jnp.bfloat16)``
+works the same way. It cannot cast a whole block: a cast of the residual
+stream to a narrower dtype loses information, so the block could not be
+inverted. What can compute in the narrower dtype are the residual functions
+of the couplings inside the block (``AdditiveCoupling``'s ``f`` and ``g``,
+``AffineCoupling``'s ``net``), while the stream keeps its dtype. The sequence
+builds its blocks inside a scope that carries the dtype (Haiku builds them at
+each call, NNX and Equinox once, when the sequence is made); a coupling built
+there without a ``compute_dtype`` of its own takes the scope's, and reports
+that it did, so that a block with no coupling is refused instead of silently
+running in the stream's dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +21,33 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from revnet._checks import check_float_dtype
+
+
+def _is_float(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Casts the floating point array leaves of ``tree`` to ``dtype`` (None:
+    as is); other leaves (integers, keys, a module's functions) are kept."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda a: a.astype(dtype) if _is_float(a) else a, tree)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """Casts the floating point leaves of ``tree`` to the dtypes of ``like``'s,
+    such as new state computed in the compute dtype back to the state's own."""
+
+    def cast(a: Any, b: Any) -> Any:
+        return a.astype(b.dtype) if _is_float(a) and _is_float(b) else a
+
+    return jax.tree.map(cast, tree, like)
 
 
 @dataclasses.dataclass
@@ -85,8 +112,8 @@ class ComputeDtype:
         if self.dtype is not None and not self.used:
             raise ValueError(
                 f"{module}: compute_dtype={self.dtype.name} applies to the "
-                "residual functions of the couplings (blocks.AdditiveCoupling, "
-                "blocks.AffineCoupling) in the blocks, and these blocks build "
+                "residual functions of the couplings (AdditiveCoupling, "
+                "AffineCoupling) in the blocks, and these blocks build "
                 "none; cast inside your own residual functions instead (a cast "
                 "of the stream itself loses information and cannot be inverted)."
             )
