@@ -130,7 +130,7 @@ def model(depth: int, method: str):
 
 
 def step(depth: int, method: str, mesh: Any):
-    """``(jit(grad(loss)), params, x)`` with sharded params and inputs."""
+    """``(jit(grad(loss)), params, x)``: sharded inputs, abstract sharded params."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -142,12 +142,16 @@ def step(depth: int, method: str, mesh: Any):
     shape = (SHAPE["batch"], SHAPE["time"], SHAPE["model_size"])
     x = jax.random.normal(jax.random.key(1), shape)
     with jax.set_mesh(mesh):
-        params = jax.jit(net.init)(jax.random.key(0), x)
+        # Shapes and placements only: what the step compiles for (the values
+        # do not enter its memory or collectives; an init would compile too).
+        params = jax.eval_shape(net.init, jax.random.key(0), x)
         if method == "remat":
             params = convert(params, "layer_stack")
             net, loss = model(depth, "remat")
-        params = jax.device_put(
-            params, blocks.partition(params, mesh, blocks.TRANSFORMER_RULES, axes=AXES)
+        params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            params,
+            blocks.partition(params, mesh, blocks.TRANSFORMER_RULES, axes=AXES),
         )
         x = jax.device_put(x, NamedSharding(mesh, P("data")))
     return jax.jit(jax.grad(loss)), params, x
