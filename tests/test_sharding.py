@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow  # 8-device subprocesses
 
 _PRELUDE = textwrap.dedent(
     """
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -51,8 +53,9 @@ _PRELUDE = textwrap.dedent(
         ]
 
 
-    def check(name, make_f, x, w, dtype="float32", jit=False):
-        '''make_f(w) -> f(x); compares revnet with jax.grad in values and types.'''
+    def check(name, make_f, x, w, dtype="float32", jit=False, jit_reference=False):
+        '''make_f(w) -> f(x); compares revnet with jax.grad in values and types
+        (jit_reference: plain JAX's side alone under jit).'''
 
         def loss(x, w, rev):
             f = make_f(w)
@@ -62,7 +65,8 @@ _PRELUDE = textwrap.dedent(
         grad = jax.grad(loss, (0, 1), has_aux=True)
         if jit:
             grad = jax.jit(grad, static_argnums=2)
-        want, y = grad(x, w, False)
+        want_grad = jax.jit(grad, static_argnums=2) if jit_reference else grad
+        want, y = want_grad(x, w, False)
         got, y_rev = grad(x, w, True)
         tol = TOL[dtype]
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -177,6 +181,10 @@ def test_coupling_on_an_auto_mesh(dtype):
 def test_shard_map_couplings():
     out = _run(
         """
+        # Eager shard_map compiles each primitive at each call: plain JAX's
+        # reference runs under jit, revnet's side (unless jit=True) eagerly.
+        check = functools.partial(check, jit_reference=True)
+
         def per_device(body, in_specs=(P("data"), P()), out_specs=P("data"), **kw):
             def make(w):
                 return lambda x: jax.shard_map(
