@@ -277,14 +277,23 @@ def measure_point(
     params: dict,
     q0: jax.Array,
     repeats: int,
+    programs: dict | None = None,
 ) -> dict[str, Any]:
-    """Memory, body evaluations and median step time of one configuration."""
-    n_static = n if method == "unrolled" else None
-    fn = gradient_fn(body, method, max_steps, n_static=n_static)
-    steps = jnp.int32(n)
-    compiled, stats = measure.compile_stats(fn, params, q0, steps)
-    count = [0]
-    counted = jax.jit(gradient_fn(body, method, max_steps, counter(count), n_static))
+    """Memory, body evaluations and median step time of one configuration.
+
+    ``programs`` keeps both compiled programs per key: unrolling ignores
+    ``max_steps``, so its points at one ``n`` share them (measured anew)."""
+    n_static, steps = (n if method == "unrolled" else None), jnp.int32(n)
+    key = (body, method, n_static, max_steps if n_static is None else None)
+    programs = {} if programs is None else programs
+    if key not in programs:
+        fn = gradient_fn(body, method, max_steps, n_static=n_static)
+        count = [0]
+        touch = counter(count)
+        counted = jax.jit(gradient_fn(body, method, max_steps, touch, n_static))
+        programs[key] = (*measure.compile_stats(fn, params, q0, steps), counted, count)
+    compiled, stats, counted, count = programs[key]
+    count[0] = 0
     jax.block_until_ready(counted(params, q0, steps))
     jax.effects_barrier()
     times = measure.median_times({"step": lambda: compiled(params, q0, steps)}, repeats)
@@ -314,7 +323,7 @@ def compare(
     """Both sweeps: ``n`` steps with ``max_steps = n``, then ``fixed_steps``
     steps under each ``max_steps`` of ``max_steps_sweep``."""
     params, q0 = init(jax.random.PRNGKey(seed), width, batch)
-    rows = []
+    rows, programs = [], {}
     points = [("steps", n, n) for n in steps]
     points += [("max_steps", fixed_steps, m) for m in max_steps_sweep]
     for sweep, n, m in points:
@@ -322,7 +331,7 @@ def compare(
             for method in COMPARE_METHODS:
                 if not applies(method, n):
                     continue
-                row = measure_point(body, method, n, m, params, q0, repeats)
+                row = measure_point(body, method, n, m, params, q0, repeats, programs)
                 row["sweep"] = sweep
                 rows.append(row)
                 log(
@@ -356,15 +365,8 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 
     styles = dict(zip(METHODS, (("o", "-"), ("x", "--"), ("s", "-"), ("^", "-"))))
-    lines(
-        axes[0],
-        sweep,
-        "steps",
-        "temp_bytes",
-        lambda r: r["method"],
-        styles,
-        measure.MIB,
-    )
+    by_method = lambda r: r["method"]  # noqa: E731
+    lines(axes[0], sweep, "steps", "temp_bytes", by_method, styles, measure.MIB)
     measure.log_axes(
         axes[0], "leapfrog steps", "temp of jit(grad) [MiB]", "Backward memory vs steps"
     )
@@ -374,14 +376,8 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
         for m, ln in (("revnet", "-"), ("checkpointed lax.scan", ":"))
     }
     rows = [r for r in comparison if r["sweep"] == "max_steps"]
-    lines(
-        axes[1],
-        rows,
-        "max_steps",
-        "body_evaluations",
-        lambda r: f"{r['method']}, {r['body']}",
-        styles,
-    )
+    label = lambda r: f"{r['method']}, {r['body']}"  # noqa: E731
+    lines(axes[1], rows, "max_steps", "body_evaluations", label, styles)
     measure.log_axes(
         axes[1],
         "max_steps (steps taken fixed)",
@@ -393,9 +389,7 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
     )
     for ax, body in zip(axes[2:], BODIES):
         rows = [r for r in comparison if r["sweep"] == "steps" and r["body"] == body]
-        lines(
-            ax, rows, "steps", "temp_bytes", lambda r: r["method"], styles, measure.MIB
-        )
+        lines(ax, rows, "steps", "temp_bytes", by_method, styles, measure.MIB)
         measure.log_axes(
             ax, "steps taken (= max_steps)", "temp of jit(grad) [MiB]", f"{body} body"
         )
