@@ -80,17 +80,33 @@ def default_sizes(model: str, quick: bool) -> dict[str, Any]:
     raise ValueError(f"unknown model {model!r}")
 
 
-def _remat_couplings(counter: list[int]) -> Callable[..., Any]:
-    """Method interceptor wrapping each coupling's ``__call__`` in ``hk.remat``."""
-    couplings = (blocks.AdditiveCoupling, blocks.AffineCoupling)
+def intercept_calls(types: Any, run: Callable[..., Any]) -> Callable[..., Any]:
+    """A method interceptor (``hk.intercept_methods``) replacing ``__call__``.
+
+    Args:
+      types: The module class (or tuple of classes) whose calls are replaced.
+      run: ``run(module, next_f, args, kwargs)``, called in place of each such
+        module's ``__call__``; ``next_f(*args, **kwargs)`` runs the original.
+        Other methods and modules run as they are.
+    """
 
     def interceptor(next_f, args, kwargs, context):
-        if isinstance(context.module, couplings) and context.method_name == "__call__":
-            counter[0] += 1
-            return hk.remat(lambda *a: next_f(*a, **kwargs))(*args)
+        if isinstance(context.module, types) and context.method_name == "__call__":
+            return run(context.module, next_f, args, kwargs)
         return next_f(*args, **kwargs)
 
     return interceptor
+
+
+def _remat_couplings(counter: list[int]) -> Callable[..., Any]:
+    """Method interceptor wrapping each coupling's ``__call__`` in ``hk.remat``."""
+
+    def run(module, next_f, args, kwargs):
+        del module
+        counter[0] += 1
+        return hk.remat(lambda *a: next_f(*a, **kwargs))(*args)
+
+    return intercept_calls((blocks.AdditiveCoupling, blocks.AffineCoupling), run)
 
 
 def _mlp_forward(spec: dict[str, Any], reversible: bool) -> Callable[..., Any]:
@@ -330,18 +346,25 @@ UNROLLED_METHODS = ("plain",)
 _STACKED = "/~/layers/"
 
 
-def plain_interceptor(method: str) -> Callable[..., Any]:
-    """A method interceptor running each ``ReversibleSequence`` as ``method``."""
+def plain_interceptor(
+    method: str, *, remat: bool = False, spec: Any = None
+) -> Callable[..., Any]:
+    """A method interceptor running each ``ReversibleSequence`` as ``method``.
+
+    Args:
+      method: One of :data:`PLAIN_METHODS`.
+      remat: Wrap each layer in ``hk.remat``.
+      spec: A ``PartitionSpec`` the stream is constrained to before the stack
+        and before and after each layer (None: no constraint).
+    """
     if method not in PLAIN_METHODS:
         raise ValueError(f"unknown plain method {method!r}; use {PLAIN_METHODS}")
 
-    def intercept(next_f, args, kwargs, context):
-        seq = context.module
-        if (
-            not isinstance(seq, blocks.ReversibleSequence)
-            or context.method_name != "__call__"
-        ):
-            return next_f(*args, **kwargs)
+    def pin(h):
+        return h if spec is None else blocks.constrain(h, spec)
+
+    def run(seq, next_f, args, kwargs):
+        del next_f
         if len(seq.block_fns) != 1:
             raise ValueError(
                 f"{seq.module_name}: only a repeated block can be run as {method}"
@@ -350,8 +373,10 @@ def plain_interceptor(method: str) -> Callable[..., Any]:
         x, *rest = args
 
         def layer(h):
-            return block_fn(h, *rest, **kwargs)
+            return pin(block_fn(pin(h), *rest, **kwargs))
 
+        layer = hk.remat(layer) if remat else layer
+        x = pin(x)
         if method == "layer_stack":
             return hk.layer_stack(seq.num_layers, name="layers")(layer)(x)
         for i in range(seq.num_layers):
@@ -359,7 +384,7 @@ def plain_interceptor(method: str) -> Callable[..., Any]:
                 x = layer(x)
         return x
 
-    return intercept
+    return intercept_calls(blocks.ReversibleSequence, run)
 
 
 def compare_to_best_plain(stats: dict[str, dict[str, Any]]) -> str | None:

@@ -72,39 +72,13 @@ def meshes() -> dict[str, Any]:
     }
 
 
-def _remat_stack(spec: Any):
-    """A method interceptor running each ``ReversibleSequence`` as
-    ``hk.layer_stack`` over ``hk.remat`` of its block, stream constrained."""
-    import haiku as hk
-
-    from revnet import blocks
-
-    def intercept(next_f, args, kwargs, context):
-        seq = context.module
-        if (
-            not isinstance(seq, blocks.ReversibleSequence)
-            or context.method_name != "__call__"
-        ):
-            return next_f(*args, **kwargs)
-        (block_fn,) = seq.block_fns
-        x, *rest = args
-
-        def layer(h):
-            h = blocks.constrain(h, spec)
-            return blocks.constrain(block_fn(h, *rest, **kwargs), spec)
-
-        x = blocks.constrain(x, spec)
-        return hk.layer_stack(seq.num_layers, name="layers")(hk.remat(layer))(x)
-
-    return intercept
-
-
 def model(depth: int, method: str):
     """``hk.transform`` of the encoder run as ``method``, and its loss."""
     import haiku as hk
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
+    from benchmarks.models import plain_interceptor
     from revnet import blocks
 
     def forward(x):
@@ -117,7 +91,8 @@ def model(depth: int, method: str):
             activation_sharding=P("data"),
         )
         if method == "remat":
-            with hk.intercept_methods(_remat_stack(P("data"))):
+            remat = plain_interceptor("layer_stack", remat=True, spec=P("data"))
+            with hk.intercept_methods(remat):
                 return enc(x, False)
         return enc(x, False)
 
