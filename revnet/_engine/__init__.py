@@ -17,7 +17,6 @@ front-end.
 # purpose, each by name (tests/test_engine_structure.py fails if one is missing).
 from revnet._engine import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
-    checks,
     cotangents,
     kept,
     known_args,
@@ -25,6 +24,7 @@ from revnet._engine import (
     perturbed,
     registry,
     reversible_call,
+    runtime_checks,
     scan,  # noqa: F401  (registers: lax.scan)
     select,  # noqa: F401  (registers: select_n with a known predicate)
     shard_map,  # noqa: F401  (registers: shard_map)
@@ -86,7 +86,7 @@ __all__ = [
     "Stuck",
     "analyze",
     "aval",
-    "checks",
+    "runtime_checks",
     "cotangents",
     "eval_body",
     "kept",

@@ -25,7 +25,7 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, checks, registry, select
+from revnet._engine import analysis, registry, runtime_checks, select
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
@@ -225,7 +225,7 @@ class _CustomHandler(Handler):
             flat = jax.tree_util.tree_leaves(in_cts, is_leaf=lambda x: x is None)
             ins = jax.tree_util.tree_leaves(inputs)
             cts = [None] * step.n_hoisted + flat
-        checks.record(
+        runtime_checks.record(
             ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
         )
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine import checks, sharding
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
+from revnet._engine import runtime_checks as checks
+from revnet._engine import sharding
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
