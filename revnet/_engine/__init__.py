@@ -4,7 +4,7 @@ Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
 only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
 into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
-(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.slices`, :mod:`.shard_map`) add
+(:mod:`.structural`: calls, ``scan``, ``select_n``, slices, ``shard_map``) add
 themselves to the registry and to the interpreter's handler table when this
 package is imported; :mod:`.sharding` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
@@ -16,7 +16,6 @@ front-end.
 # evaluators to the engine's tables when imported: they are imported here on
 # purpose, each by name (tests/test_engine_structure.py fails if one is missing).
 from revnet._engine import (
-    calls,  # noqa: F401  (registers: nested calls and custom rules)
     cotangents,
     kept,
     known_args,
@@ -25,11 +24,7 @@ from revnet._engine import (
     registry,
     reversible_call,
     runtime_checks,
-    scan,  # noqa: F401  (registers: lax.scan)
-    select,  # noqa: F401  (registers: select_n with a known predicate)
-    shard_map,  # noqa: F401  (registers: shard_map)
     sharding,
-    slices,  # noqa: F401  (registers: slices that cover a value together)
     tracing,  # noqa: F401  (registers: the preparation of nested jaxpr bodies)
 )
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
@@ -61,6 +56,13 @@ from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, register_inverse
+from revnet._engine.structural import (
+    calls,  # noqa: F401  (registers: nested calls and custom rules)
+    scan,  # noqa: F401  (registers: lax.scan)
+    select,  # noqa: F401  (registers: select_n with a known predicate)
+    shard_map,  # noqa: F401  (registers: shard_map)
+    slices,  # noqa: F401  (registers: slices that cover a value together)
+)
 from revnet._engine.tracing import trace, trace_program
 
 __all__ = [

@@ -25,12 +25,13 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, registry, runtime_checks, select
+from revnet._engine import analysis, registry, runtime_checks
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
 from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
 from revnet._engine.plan import Call, Custom
+from revnet._engine.structural import select
 
 
 class CallRule(registry.StructuralRule):

@@ -8,11 +8,11 @@ values, ``ppermute``, ``all_gather``, ``all_to_all`` on the stream) are
 evaluated forward or solved by their rules in ``revnet.rules``.
 
 The body's plan is made inside the body's context (its manual mesh axes
-bound, :func:`.jaxpr.within_shard_map`), where its rules can trace. At run
-time a new ``shard_map`` of the same mesh runs the plan per device: it takes
-the known inputs with their ``in_specs`` and the outputs (and their
-cotangents) with their ``out_specs``, and returns the rebuilt inputs and the
-input cotangents with the inputs' ``in_specs``: each of its primal's type.
+bound, :func:`~revnet._engine.jaxpr.within_shard_map`), where its rules can
+trace. At run time a new ``shard_map`` of the same mesh runs the plan per
+device: it takes the known inputs with their ``in_specs`` and the outputs (and
+their cotangents) with their ``out_specs``, and returns the rebuilt inputs and
+the input cotangents with the inputs' ``in_specs``: each of its primal's type.
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ values only (``fori_loop``'s counter) is first run forward by a reduced scan
 
 from __future__ import annotations
 
-from revnet._engine import analysis, registry, select
+from revnet._engine import analysis, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, register_handler
 from revnet._engine.loops.invert import reversed_scan
 from revnet._engine.plan import Scan, ScanAux
+from revnet._engine.structural import select
 
 
 class ScanRule(registry.StructuralRule):
