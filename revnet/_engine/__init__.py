@@ -54,8 +54,9 @@ from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
 from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
+from revnet._engine.loops.revolve import INT32_MAX
 from revnet._engine.plan import Plan
-from revnet._engine.registry import InverseRule, register_inverse
+from revnet._engine.registry import InverseRule, InverseRuleFn, register_inverse
 from revnet._engine.structural import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
     scan,  # noqa: F401  (registers: lax.scan)
@@ -66,6 +67,7 @@ from revnet._engine.structural import (
 from revnet._engine.tracing import trace, trace_program
 
 __all__ = [
+    "INT32_MAX",
     "CAST",
     "DECISIONS",
     "DECISION_MARK",
@@ -81,6 +83,7 @@ __all__ = [
     "Body",
     "Interpreter",
     "InverseRule",
+    "InverseRuleFn",
     "NotInvertibleError",
     "Plan",
     "SINGULAR",
