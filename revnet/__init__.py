@@ -61,7 +61,7 @@ True
 
 from revnet import rules  # noqa: F401  (registers the built-in inverse rules)
 from revnet._engine import NotInvertibleError, register_inverse
-from revnet._engine.checks import set_runtime_checks
+from revnet._engine.runtime_checks import set_runtime_checks
 from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp

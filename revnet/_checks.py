@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import check_options, choose, revolve, show
+from revnet._engine import INT32_MAX, check_options, choose, revolve, show
 from revnet.drift import DriftMonitor
-
-INT32_MAX = int(np.iinfo(np.int32).max)
 
 _BOOLS = (bool, np.bool_)
 

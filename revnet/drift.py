@@ -16,7 +16,7 @@ may warn or raise when one exceeds a tolerance. It works under ``jit``,
 ``vmap`` and sharded programs; under a global mesh (``jax.set_mesh``) the
 callback runs on every device, and in a multi-process run each process's
 monitor records one reading per backward pass and warns or raises itself
-(``checks.host_callback``)::
+(``runtime_checks.host_callback``)::
 
     monitor = revnet.DriftMonitor(tolerance=1e-3)
     def loss(x):

@@ -66,11 +66,11 @@ from revnet._engine import (
     analyze,
     aval,
     check_options,
-    checks,
     expose,
     known_args,
     not_invertible,
     reversible_call,
+    runtime_checks,
     sharding,
     struct,
     trace,
@@ -407,9 +407,9 @@ def inverse(
             _as_output(o, aval(v), n, fname)
             for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars))
         ]
-        with checks.scope() as sc:
+        with runtime_checks.scope() as sc:
             values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
-        checks.raise_if_failed(sc)
+        runtime_checks.raise_if_failed(sc)
         values = [_placed(v, s) for v, s in zip(values, placements)]
         return known_args.merge(
             given, known, jax.tree_util.tree_unflatten(in_tree, values)

@@ -19,7 +19,8 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("REVNET_HYPOTHESIS_PROFILE", "ci"))
 
-# Run-time reconstruction checks (revnet/_engine/checks.py) are on for the whole suite.
+# Run-time reconstruction checks (revnet/_engine/runtime_checks.py) are on for the
+# whole suite.
 os.environ.setdefault("REVNET_RUNTIME_CHECKS", "1")
 
 # Under JAX_CUSTOM_VJP3/JAX_REMAT3/JAX_SCAN3 (make test-next), a test whose plain

@@ -1,5 +1,5 @@
-"""The package's structure: explicit registrations, no import cycles, a leaf
-jaxpr package, small files.
+"""The package's structure: explicit registrations, no import cycles, no
+import up the layers, a leaf jaxpr package, small files and small functions.
 
 These tests read the source (``ast``) and the engine's tables; they compile
 nothing.
@@ -17,7 +17,15 @@ from revnet._engine.jaxpr import bodies
 ROOT = pathlib.Path(revnet.__file__).parent
 ENGINE = "revnet._engine"
 JAXPR = "revnet._engine.jaxpr"
+STRUCTURAL = "revnet._engine.structural"
 MAX_LINES = 450
+MAX_FUNCTION_LINES = 100
+
+# The layers, from the bottom: a module imports modules of its own layer and
+# of the layers below, never above. "core" is the rest of the engine (analysis,
+# plan, interpreter, registry, ...); "surface" is revnet/_engine/__init__.py;
+# "outside" is revnet outside the engine (front-ends, rules, front doors).
+LAYERS = ("jaxpr", "core", "loops", "structural", "surface", "outside")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -76,9 +84,29 @@ def _defining_modules() -> set[str]:
     return {m for m in owners if m.startswith(ENGINE + ".")}
 
 
+def test_structural_rules_are_registered_by_explicit_import():
+    """Each module of ``_engine/structural/`` defines a structural rule, every
+    structural rule is defined there, and ``_engine/__init__.py`` imports each
+    module by name; ``structural/__init__.py`` imports none of them."""
+    inside = {m for m in MODULES if m.startswith(STRUCTURAL + ".")}
+    rules = {
+        type(rule).__module__
+        for rule in map(registry.get, registry.names())
+        if rule.structural
+    }
+    assert inside == rules, (
+        f"modules of {STRUCTURAL} without a structural rule: {sorted(inside - rules)}"
+        f"; structural rules defined elsewhere: {sorted(rules - inside)}"
+    )
+    missing = sorted(inside - _imports(ENGINE, top_level_only=True))
+    assert not missing, f"revnet/_engine/__init__.py does not import {missing}"
+    implicit = sorted(_imports(STRUCTURAL))
+    assert not implicit, f"revnet/_engine/structural/__init__.py imports {implicit}"
+
+
 def test_registering_modules_are_imported_explicitly():
     owners = _defining_modules()
-    assert {"revnet._engine.calls", "revnet._engine.slices"} <= owners, owners
+    assert {f"{STRUCTURAL}.calls", f"{STRUCTURAL}.slices"} <= owners, owners
     explicit = _imports(ENGINE, top_level_only=True)
     missing = sorted(owners - explicit)
     assert not missing, (
@@ -121,6 +149,29 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _layer(name: str) -> str:
+    """The layer (one of ``LAYERS``) of module ``name``."""
+    if name == ENGINE:
+        return "surface"
+    if not name.startswith(ENGINE + "."):
+        return "outside"
+    package = name.split(".")[2]
+    return package if package in ("jaxpr", "loops", "structural") else "core"
+
+
+def test_no_import_goes_up_the_layers():
+    layers = {_layer(m) for m in MODULES}
+    assert layers == set(LAYERS), layers
+    up = sorted(
+        f"{name} ({_layer(name)}) imports {dep} ({_layer(dep)})"
+        for name in MODULES
+        for dep in _imports(name)
+        if LAYERS.index(_layer(dep)) > LAYERS.index(_layer(name))
+    )
+    order = " < ".join(LAYERS)
+    assert not up, f"imports up the layers ({order}):\n" + "\n".join(up)
+
+
 def test_jaxpr_package_is_a_leaf():
     inside = [m for m in MODULES if m == JAXPR or m.startswith(JAXPR + ".")]
     assert len(inside) > 1, inside
@@ -153,3 +204,25 @@ def test_no_file_over_the_line_limit():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def _function_lengths(path: pathlib.Path):
+    """``(name, line, length)`` of every function (methods and nested functions
+    too) in ``path``: its length runs from the first statement after its
+    docstring to its last line."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+        if body:
+            yield node.name, node.lineno, node.end_lineno - body[0].lineno + 1
+
+
+def test_no_function_over_the_line_limit():
+    long = {
+        f"{p.relative_to(ROOT.parent)}:{line} {name}": n
+        for p in MODULES.values()
+        for name, line, n in _function_lengths(p)
+        if n > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 
 import revnet
-from revnet._engine import checks as _checks
+from revnet._engine import runtime_checks
 from tests.helpers import assert_trees_close, tolerance
 
 DTYPES = ["float32", "float64"]
@@ -278,9 +278,9 @@ CASES = _degenerate_cases()
 
 @pytest.fixture
 def checks_on():
-    _checks.set_runtime_checks(True)
+    runtime_checks.set_runtime_checks(True)
     yield
-    _checks.set_runtime_checks(None)
+    runtime_checks.set_runtime_checks(None)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -303,14 +303,14 @@ def test_degenerate_values_raise_at_run_time(name, make, bad, good, jit, checks_
 
 
 def test_degenerate_values_without_checks_give_nan_not_a_finite_lie():
-    _checks.set_runtime_checks(False)
+    runtime_checks.set_runtime_checks(False)
     try:
         g = jax.grad(
             lambda w: _loss(revnet.invertible(lambda x: jnp.sinh(x * w)))(_x("float32"))
         )
         assert np.isnan(g(jnp.float32(0.0)))
     finally:
-        _checks.set_runtime_checks(None)
+        runtime_checks.set_runtime_checks(None)
 
 
 def test_runtime_checks_cover_inverse_and_reversed_scans(checks_on):
@@ -333,7 +333,7 @@ def test_runtime_checks_cover_inverse_and_reversed_scans(checks_on):
 
 def test_checks_are_on_in_this_suite():
     assert os.environ.get("REVNET_RUNTIME_CHECKS") == "1"
-    assert _checks.enabled()
+    assert runtime_checks.enabled()
 
 
 # --------------------------------------------------------------------------- #

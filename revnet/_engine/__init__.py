@@ -4,7 +4,7 @@ Data flows one way: a function is traced and prepared by :mod:`.jaxpr` (the
 only module that touches ``jax.extend``), :mod:`.analysis` turns the jaxpr
 into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
-(:mod:`.calls`, :mod:`.scan`, :mod:`.select`, :mod:`.slices`, :mod:`.shard_map`) add
+(:mod:`.structural`: calls, ``scan``, ``select_n``, slices, ``shard_map``) add
 themselves to the registry and to the interpreter's handler table when this
 package is imported; :mod:`.sharding` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
@@ -16,8 +16,6 @@ front-end.
 # evaluators to the engine's tables when imported: they are imported here on
 # purpose, each by name (tests/test_engine_structure.py fails if one is missing).
 from revnet._engine import (
-    calls,  # noqa: F401  (registers: nested calls and custom rules)
-    checks,
     cotangents,
     kept,
     known_args,
@@ -25,11 +23,8 @@ from revnet._engine import (
     perturbed,
     registry,
     reversible_call,
-    scan,  # noqa: F401  (registers: lax.scan)
-    select,  # noqa: F401  (registers: select_n with a known predicate)
-    shard_map,  # noqa: F401  (registers: shard_map)
+    runtime_checks,
     sharding,
-    slices,  # noqa: F401  (registers: slices that cover a value together)
     tracing,  # noqa: F401  (registers: the preparation of nested jaxpr bodies)
 )
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
@@ -59,11 +54,20 @@ from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
 from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
+from revnet._engine.loops.revolve import INT32_MAX
 from revnet._engine.plan import Plan
-from revnet._engine.registry import InverseRule, register_inverse
+from revnet._engine.registry import InverseRule, InverseRuleFn, register_inverse
+from revnet._engine.structural import (
+    calls,  # noqa: F401  (registers: nested calls and custom rules)
+    scan,  # noqa: F401  (registers: lax.scan)
+    select,  # noqa: F401  (registers: select_n with a known predicate)
+    shard_map,  # noqa: F401  (registers: shard_map)
+    slices,  # noqa: F401  (registers: slices that cover a value together)
+)
 from revnet._engine.tracing import trace, trace_program
 
 __all__ = [
+    "INT32_MAX",
     "CAST",
     "DECISIONS",
     "DECISION_MARK",
@@ -79,6 +83,7 @@ __all__ = [
     "Body",
     "Interpreter",
     "InverseRule",
+    "InverseRuleFn",
     "NotInvertibleError",
     "Plan",
     "SINGULAR",
@@ -86,7 +91,7 @@ __all__ = [
     "Stuck",
     "analyze",
     "aval",
-    "checks",
+    "runtime_checks",
     "cotangents",
     "eval_body",
     "kept",

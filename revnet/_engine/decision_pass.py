@@ -183,8 +183,7 @@ class Pass(NestedCalls):
             return False
         if name in jx.JIT_NAMES:
             return True
-        tag = jx.tag_of(e)
-        ours = tag is not None and getattr(tag, "loop_kind", None) == "scan"
+        ours = jx.tag_kind(e) == "scan"
         if not ours and not (name in _REMAT and body.consts):
             return False
         nb = len(body.consts)

@@ -57,8 +57,8 @@ def primal(jaxpr: jx.Jaxpr) -> Any:
 
 def _tag_token(tag: Any, eqn: jx.JaxprEqn) -> Any:
     """What of a revnet-tagged equation (loops, custom_ivjp) a plan depends on."""
-    kind = getattr(tag, "loop_kind", None)
-    if kind is not None:
+    kind = jx.tag_kind(eqn)
+    if kind != "custom_ivjp":
         return ("loop", kind)
     trees = tag.trees.get(jx.custom_ivjp_key(eqn))
     return ("custom_ivjp", tag.num_consts, trees)
@@ -120,7 +120,7 @@ def _key(jaxpr: jx.Jaxpr, consts_by_id: bool) -> Any:
         tag = jx.tag_of(e)
         if tag is not None:
             params += (("revnet_tag", _tag_token(tag, e)),)
-            if consts_by_id and getattr(tag, "loop_kind", None) is None:
+            if consts_by_id and jx.tag_kind(e) == "custom_ivjp":
                 # A custom_ivjp's inverse is what an enclosing inversion
                 # runs: a function reused for this jaxpr must carry it.
                 params += (("revnet_inverse", _Opaque(tag)),)

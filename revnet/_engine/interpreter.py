@@ -21,10 +21,10 @@ from typing import Any
 
 import jax
 
-from revnet._engine import checks, registry
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
+from revnet._engine import registry, runtime_checks
 from revnet._engine.errors import degenerate
 from revnet._engine.plan import Forward, Plan, Solve
 
@@ -322,7 +322,7 @@ class _SolveHandler(Handler):
         with jx.context(eqn):
             solved = registry.get(step.rule)(outs, known, eqn.params, avals)
         new = [solved[n] for n in step.unknown]
-        checks.record(
+        runtime_checks.record(
             new, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
         )
         it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], new)

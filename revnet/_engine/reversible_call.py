@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from revnet._engine import checks, cotangents, kept, perturbed
+from revnet._engine import cotangents, kept, perturbed, runtime_checks
 from revnet._engine import jaxpr as jx
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.plan import Plan
@@ -50,9 +50,9 @@ def vjp_function(
         interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs), flags.value)
         cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
         cts = [*cts, *[None] * exposed.n]
-        with checks.scope() as sc:
+        with runtime_checks.scope() as sc:
             _, in_cts = interp.backward(cts, need_values=False)
-        checks.raise_if_failed(sc)
+        runtime_checks.raise_if_failed(sc)
         full = cotangents.fill(in_cts, [jx.aval(v) for v in jaxpr.invars])
         return full[:n_consts], full[n_consts:]
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from revnet._engine import registry
-from revnet.rules._solve import InverseRuleFn
+from revnet._engine import InverseRuleFn, registry
 from revnet.rules.arithmetic import ARITHMETIC
 from revnet.rules.elementwise import (
     UNARY,

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from revnet._engine import NotInvertibleError
-
-InverseRuleFn = Callable[..., Sequence[Any]]
 
 
 def unknown(ins: Sequence[Any]) -> list[int]:

@@ -9,9 +9,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import InverseRuleFn, NotInvertibleError
 from revnet.rules._solve import (
-    InverseRuleFn,
     check_not_broadcast,
     one_unknown,
     with_value,

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import CAST, NotInvertibleError, refusal
-from revnet.rules._solve import InverseRuleFn
+from revnet._engine import CAST, InverseRuleFn, NotInvertibleError, refusal
 
 
 def unary(inverse: Callable[[Any], Any]) -> InverseRuleFn:

@@ -6,7 +6,7 @@ The engine gives every solved input its type's sharding
 ``reshard``, varying axes by a ``pcast``, and an invariant value from a
 varying one by an exact all-reduce of one device's copy. So the inverse of an
 identity-like primitive is the identity on values. Collectives run inside
-``shard_map`` bodies, whose rules are run per device (``_engine/shard_map``).
+``shard_map`` bodies, whose rules are run per device (``_engine/structural/shard_map``).
 """
 
 from __future__ import annotations

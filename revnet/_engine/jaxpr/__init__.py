@@ -59,6 +59,7 @@ from revnet._engine.jaxpr.branches import (
 )
 from revnet._engine.jaxpr.calls import (
     JIT_NAMES,
+    LoopTag,
     call_body,
     call_name,
     call_primitive_names,
@@ -68,6 +69,7 @@ from revnet._engine.jaxpr.calls import (
     custom_vjp_num_consts,
     key_params,
     tag,
+    tag_kind,
     tag_of,
 )
 from revnet._engine.jaxpr.evaluate import bind, bind_params, context, eval_with
@@ -82,6 +84,7 @@ from revnet._engine.jaxpr.rewrite import (
     inline_body,
     live_equations,
     remat_with_body,
+    restrict,
     splice,
     with_inputs,
     with_outputs,
@@ -103,6 +106,7 @@ __all__ = [
     "Jaxpr",
     "JaxprEqn",
     "Literal",
+    "LoopTag",
     "ScanParams",
     "ShardMapParams",
     "Var",
@@ -141,6 +145,7 @@ __all__ = [
     "new_var",
     "primitive_name",
     "remat_with_body",
+    "restrict",
     "scan",
     "scan3_refusal",
     "scan_params",
@@ -154,6 +159,7 @@ __all__ = [
     "vmappable",
     "struct",
     "tag",
+    "tag_kind",
     "tag_of",
     "where",
     "while_bodies",

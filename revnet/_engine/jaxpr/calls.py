@@ -86,6 +86,29 @@ def tag_of(eqn: JaxprEqn) -> Any:
     return getattr(custom_vjp_bwd(eqn), _TAG, None)
 
 
+class LoopTag:
+    """Tags the backward of revnet's own loops (``loop_kind``: ``"scan"`` or
+    ``"while_loop"``), so that the analysis recognises their equations."""
+
+    def __init__(self, loop_kind: str):
+        self.loop_kind = loop_kind
+
+
+def tag_kind(eqn: JaxprEqn) -> str | None:
+    """Which of revnet's own custom VJPs an equation calls, from its tag.
+
+    The only reader of the tags: ``"scan"`` or ``"while_loop"`` for revnet's
+    loops (a :class:`LoopTag`), ``"custom_ivjp"`` for any other tagged call (a
+    ``custom_ivjp`` function), None for an untagged equation.
+    """
+    tagged = tag_of(eqn)
+    if tagged is None:
+        return None
+    if isinstance(tagged, LoopTag):
+        return tagged.loop_kind
+    return "custom_ivjp"
+
+
 def custom_rule_kind(eqn: JaxprEqn) -> str | None:
     """``"vjp"``/``"jvp"`` for calls with a user derivative rule, else None."""
     name = eqn.primitive.name

@@ -1,5 +1,7 @@
 """Building equations: the decision pass (:mod:`revnet._engine.decisions`)
-rewrites jaxprs with these, so that it never touches JAX's jaxpr classes itself.
+rewrites jaxprs with these, so that it never touches JAX's jaxpr classes itself;
+:func:`restrict` cuts a loop body down to some of its outputs (the scan rule,
+the choice of a loop's backward mode).
 """
 
 from __future__ import annotations
@@ -116,6 +118,30 @@ def live_equations(eqns: Sequence[JaxprEqn], outvars, given) -> list[JaxprEqn]:
             kept.append(e)
             live.update(id(a) for a in e.invars if not is_literal(a))
     return kept[::-1]
+
+
+def restrict(jaxpr: Jaxpr, out_idx: Sequence[int]) -> tuple[Jaxpr, list[int]]:
+    """The part of ``jaxpr`` that computes the outputs ``out_idx``.
+
+    Returns:
+      ``(sub, in_idx)``: ``sub`` has the inputs ``in_idx`` of ``jaxpr`` (the
+      ones those outputs depend on, in order) and the outputs ``out_idx``.
+    """
+    outs = [jaxpr.outvars[i] for i in out_idx]
+    need = {v for v in outs if not is_literal(v)}
+    kept = []
+    for e in reversed(jaxpr.eqns):
+        if any(v in need for v in e.outvars if not is_dropvar(v)):
+            kept.append(e)
+            need.update(a for a in e.invars if not is_literal(a))
+    in_idx = [n for n, v in enumerate(jaxpr.invars) if v in need]
+    sub = jaxpr.replace(
+        invars=[jaxpr.invars[n] for n in in_idx],
+        outvars=outs,
+        eqns=list(reversed(kept)),
+        effects=jaxpr.effects,
+    )
+    return sub, in_idx
 
 
 def inline_body(

@@ -11,11 +11,10 @@ few steps when inverting, against accumulated reconstruction error.
 
 from revnet._engine.loops import choose, revolve
 from revnet._engine.loops.choose import MODES, Mode
-from revnet._engine.loops.vjp import LoopTag, scan_function, while_function
+from revnet._engine.loops.vjp import scan_function, while_function
 
 __all__ = [
     "MODES",
-    "LoopTag",
     "Mode",
     "choose",
     "revolve",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine import checks
+from revnet._engine import runtime_checks
 from revnet._engine.cotangents import is_float
 
 
@@ -137,4 +137,4 @@ def start(anchors: Anchors, slots: int) -> Any:
 def report(anchors: Anchors, drift: Any, used: Any) -> None:
     """Sends the drift at the first ``used`` anchors to the report, if any."""
     if anchors.report is not None:
-        checks.host_callback(anchors.report, drift, used)
+        runtime_checks.host_callback(anchors.report, drift, used)

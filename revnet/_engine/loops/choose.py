@@ -113,32 +113,8 @@ def _coupled_float(jaxpr: Any, carry: Sequence[int], k: int) -> bool:
     """
     if not is_float_aval(jx.aval(jaxpr.invars[carry[k]])):
         return False
-    _, reads = restrict(jaxpr, [k])
+    _, reads = jx.restrict(jaxpr, [k])
     return any(n in reads for n in carry if n != carry[k])
-
-
-def restrict(jaxpr: Any, out_idx: Sequence[int]) -> tuple[Any, list[int]]:
-    """The part of ``jaxpr`` that computes the outputs ``out_idx``.
-
-    Returns:
-      ``(sub, in_idx)``: ``sub`` has the inputs ``in_idx`` of ``jaxpr`` (the
-      ones those outputs depend on, in order) and the outputs ``out_idx``.
-    """
-    outs = [jaxpr.outvars[i] for i in out_idx]
-    need = {v for v in outs if not jx.is_literal(v)}
-    kept = []
-    for e in reversed(jaxpr.eqns):
-        if any(v in need for v in e.outvars if not jx.is_dropvar(v)):
-            kept.append(e)
-            need.update(a for a in e.invars if not jx.is_literal(a))
-    in_idx = [n for n, v in enumerate(jaxpr.invars) if v in need]
-    sub = jaxpr.replace(
-        invars=[jaxpr.invars[n] for n in in_idx],
-        outvars=outs,
-        eqns=list(reversed(kept)),
-        effects=jaxpr.effects,
-    )
-    return sub, in_idx
 
 
 def exposed_mode(

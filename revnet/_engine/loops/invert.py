@@ -9,7 +9,7 @@ stored every ``k`` steps, so reconstruction error accumulates over at most
 ``k`` steps.
 
 A scan is walked back by :func:`reversed_scan`, ONE reverse ``lax.scan``
-(the structural rule of ``lax.scan``, :mod:`revnet._engine.scan`, solves a
+(the structural rule of ``lax.scan``, :mod:`revnet._engine.structural.scan`, solves a
 scan inside an ``@invertible`` function with it too); a while loop, whose
 trip count is read at run time, by one ``lax.while_loop`` that counts it
 down (:func:`_walk_back`). :func:`backward` picks between them.
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine import checks, sharding
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
+from revnet._engine import runtime_checks as checks
+from revnet._engine import sharding
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_INT32_MAX = 2**31 - 1
+# The largest int32: loop counters and step counts are int32 (also the bound
+# revnet._checks puts on max_steps).
+INT32_MAX = 2**31 - 1
 
 # The default number of snapshots of a loop with no bound on its steps: it
 # keeps ``r <= 16`` up to ``2**16`` steps, and ``r <= 21`` up to a million.
@@ -50,8 +52,8 @@ def default_slots(bound: int | None) -> int:
 
 def _grow(b: jnp.ndarray, a: Any, j: Any) -> jnp.ndarray:
     """``C(a + j, j)`` from ``b = C(a + j - 1, j - 1)``, saturating at int32 max."""
-    big = b > _INT32_MAX // (a + j)
-    return jnp.where(big, _INT32_MAX, b * (a + j) // j)
+    big = b > INT32_MAX // (a + j)
+    return jnp.where(big, INT32_MAX, b * (a + j) // j)
 
 
 @jax.jit

@@ -28,19 +28,12 @@ import jax
 from revnet._engine import cotangents, kept
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
+from revnet._engine.jaxpr import LoopTag
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops import checkpoint, forward, invert
 from revnet._engine.loops.choose import CHECKPOINT, Mode
 
 SCAN, WHILE = "scan", "while_loop"
-
-
-class LoopTag:
-    """Tags the backward of revnet's own loops (``loop_kind``: ``"scan"`` or
-    ``"while_loop"``), so that the analysis recognises their equations."""
-
-    def __init__(self, loop_kind: str):
-        self.loop_kind = loop_kind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from revnet._engine import checks, registry
 from revnet._engine import jaxpr as jx
+from revnet._engine import registry, runtime_checks
 from revnet._engine.analysis import Analysis, abstract_solve
 from revnet._engine.errors import NotInvertibleError, degenerate
 from revnet._engine.interpreter import Handler, register_handler
@@ -180,13 +180,13 @@ class _SelectHandler(Handler):
                 rule = registry.get(name)
                 if rule.structural:
                     # Its own records would hold where this leaf is not picked.
-                    with checks.scope():
+                    with runtime_checks.scope():
                         solved = rule.solve_positionwise(it, j, e, u, outs)
                 else:
                     avals = [jx.aval(v) for v in e.invars]
                     solved = rule(outs, ins, e.params, avals)[u]
                 local[w.eqn_ins[j][u]] = solved
-                checks.record(
+                runtime_checks.record(
                     [jnp.where(where, solved, 0)],
                     [y, *[x for x in ins if x is not None]],
                     degenerate(e),

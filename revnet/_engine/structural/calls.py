@@ -25,12 +25,13 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, checks, registry, select
+from revnet._engine import analysis, registry, runtime_checks
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
 from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
 from revnet._engine.plan import Call, Custom
+from revnet._engine.structural import select
 
 
 class CallRule(registry.StructuralRule):
@@ -41,8 +42,8 @@ class CallRule(registry.StructuralRule):
     def analyze(self, an, i, eqn, ins, outs):
         if not any(outs) or not an.distinct_unknowns(i, eqn, ins):
             return None
-        tag = jx.tag_of(eqn)
-        if getattr(tag, "loop_kind", None) == "while_loop":
+        tag, kind = jx.tag_of(eqn), jx.tag_kind(eqn)
+        if kind == "while_loop":
             an.fail(
                 i,
                 eqn,
@@ -51,7 +52,7 @@ class CallRule(registry.StructuralRule):
                 "rebuilds its carry), or use revnet.scan with a fixed length",
             )
             return None
-        custom_ivjp = tag is not None and getattr(tag, "loop_kind", None) is None
+        custom_ivjp = kind == "custom_ivjp"
         body = jx.call_body(eqn)
         if body is None and not custom_ivjp:
             an.fail(i, eqn, _no_body(eqn))
@@ -78,11 +79,11 @@ class CallRule(registry.StructuralRule):
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
 
     def positionwise(self, an, i, eqn, unknown):
-        tag = jx.tag_of(eqn)
+        kind = jx.tag_kind(eqn)
         body = jx.call_body(eqn)
         if body is None or len(eqn.outvars) != 1:
             return False
-        if tag is not None and getattr(tag, "loop_kind", None) != "scan":
+        if kind is not None and kind != "scan":
             return False  # a user inverse, or a while_loop: not looked into
         nb = len(body.consts)
         known_in = _known_body_inputs(body, eqn, unknown)
@@ -225,7 +226,7 @@ class _CustomHandler(Handler):
             flat = jax.tree_util.tree_leaves(in_cts, is_leaf=lambda x: x is None)
             ins = jax.tree_util.tree_leaves(inputs)
             cts = [None] * step.n_hoisted + flat
-        checks.record(
+        runtime_checks.record(
             ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
         )
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)

@@ -8,11 +8,11 @@ values, ``ppermute``, ``all_gather``, ``all_to_all`` on the stream) are
 evaluated forward or solved by their rules in ``revnet.rules``.
 
 The body's plan is made inside the body's context (its manual mesh axes
-bound, :func:`.jaxpr.within_shard_map`), where its rules can trace. At run
-time a new ``shard_map`` of the same mesh runs the plan per device: it takes
-the known inputs with their ``in_specs`` and the outputs (and their
-cotangents) with their ``out_specs``, and returns the rebuilt inputs and the
-input cotangents with the inputs' ``in_specs``: each of its primal's type.
+bound, :func:`~revnet._engine.jaxpr.within_shard_map`), where its rules can
+trace. At run time a new ``shard_map`` of the same mesh runs the plan per
+device: it takes the known inputs with their ``in_specs`` and the outputs (and
+their cotangents) with their ``out_specs``, and returns the rebuilt inputs and
+the input cotangents with the inputs' ``in_specs``: each of its primal's type.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from revnet._engine import analysis, checks, registry, sharding
+from revnet._engine import analysis, registry, runtime_checks, sharding
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
@@ -103,7 +103,7 @@ class _ShardMapHandler(Handler):
                         _per_copy(c, _unmentioned(sm, s))
                         for c, s in zip(body_cts, sm.out_specs)
                     ]
-            with checks.scope() as sc:
+            with runtime_checks.scope() as sc:
                 vals, in_cts = run_plan(
                     step.plan,
                     body.jaxpr,
@@ -137,13 +137,13 @@ class _ShardMapHandler(Handler):
             in_specs += list(sm.out_specs)
             out_specs += [sm.in_specs[n] for n in float_in]
         messages: list[str] = []
-        checking = checks.enabled()
+        checking = runtime_checks.enabled()
         if checking:
             out_specs = [P(_manual(sm)), *out_specs]
         res = jx.shard_map(sm, per_device, in_specs, out_specs)(*known, *outs, *cts)
         res = list(res)
         if checking:
-            checks.record_index(jnp.max(res.pop(0)), messages)
+            runtime_checks.record_index(jnp.max(res.pop(0)), messages)
         it.set([it.wiring.eqn_ins[i][n] for n in step.unknown], res[: len(unknown)])
         if not with_cts:
             return None

@@ -12,13 +12,13 @@ values only (``fori_loop``'s counter) is first run forward by a reduced scan
 
 from __future__ import annotations
 
-from revnet._engine import analysis, registry, select
+from revnet._engine import analysis, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, register_handler
-from revnet._engine.loops.choose import restrict
 from revnet._engine.loops.invert import reversed_scan
 from revnet._engine.plan import Scan, ScanAux
+from revnet._engine.structural import select
 
 
 class ScanRule(registry.StructuralRule):
@@ -91,7 +91,7 @@ def _aux(an, i, sp, ins, outs) -> ScanAux | None:
     if not all(ins[nc + k] for k in carry) or not all(ins[:nc]):
         return None
     nb = len(sp.body.consts)
-    _, in_idx = restrict(sp.body.jaxpr, carry)
+    _, in_idx = jx.restrict(sp.body.jaxpr, carry)
     allowed = set(range(nb + nc)) | {nb + nc + k for k in carry}
     allowed |= {nb + nc + ncar + n for n, k in enumerate(ins[nc + ncar :]) if k}
     if not set(in_idx) <= allowed:
@@ -112,7 +112,7 @@ class _AuxHandler(Handler):
         i = step.eqn
         sp = jx.scan_params(it.jaxpr.eqns[i])
         nb, nc, ncar = len(sp.body.consts), sp.num_consts, sp.num_carry
-        sub, _ = restrict(sp.body.jaxpr, step.carry)
+        sub, _ = jx.restrict(sp.body.jaxpr, step.carry)
         # Body input n is outer value n (body consts, then the equation's inputs).
         fixed = [n for n in step.in_idx if n < nb + nc]
         carry_in = [nb + nc + k for k in step.carry]
