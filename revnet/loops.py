@@ -82,10 +82,6 @@ from revnet.drift import DriftMonitor
 __all__ = ["scan", "while_loop"]
 
 
-# Testing aid: callbacks given each backward iteration's remaining-step counter.
-_BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
-
-
 # --------------------------------------------------------------------------- #
 # Shared by both loops.
 
@@ -264,7 +260,6 @@ def while_loop(
         nk,
         bound,
         slots,
-        _BACKWARD_STEP_HOOKS,
         anchor_every,
         report,
     )
