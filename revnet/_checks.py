@@ -1,4 +1,5 @@
-"""Argument checks of revnet's front ends: the loops and the Haiku blocks.
+"""Argument checks of revnet's front ends (the loops' options use them in
+:mod:`revnet._loop_common`, the blocks' in :mod:`revnet._block_checks`).
 
 Every check raises a one-line ``TypeError`` (wrong kind of value) or
 ``ValueError`` (right kind, wrong value) written by :func:`fail`: it names
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import INT32_MAX, check_options, choose, revolve, show
+from revnet._engine import show
 from revnet.drift import DriftMonitor
 
 _BOOLS = (bool, np.bool_)
@@ -220,174 +220,3 @@ def check_sharding(where: str, arg: str, value: Any) -> Any:
         expected = "None, a jax.sharding.PartitionSpec or a jax.sharding.NamedSharding"
         raise fail(where, arg, value, expected)
     return value
-
-
-# --------------------------------------------------------------------------- #
-# The options of revnet.while_loop and revnet.scan.
-
-_NON_NEGATIVE = "a non-negative integer known at trace time (a Python or NumPy integer)"
-_POSITIVE = "a positive integer known at trace time, or None"
-
-
-class Default(str):
-    """The default of ``mode=`` (``"auto"``), told apart from ``"auto"`` given."""
-
-
-AUTO = Default(choose.AUTO)
-
-# A sentinel: ``invert=`` was not given.
-UNSET: Any = object()
-
-_FROM_INVERT = {None: choose.AUTO, True: choose.INVERT, False: choose.CHECKPOINT}
-
-
-def _positive(where: str, arg: str, value: Any) -> int | None:
-    """None, or ``value`` checked to be a positive integer."""
-    if value is None:
-        return None
-    return check_int(where, arg, value, 1, _POSITIVE, "at least 1")
-
-
-def _non_negative(where: str, arg: str, value: Any) -> int | None:
-    """None, or ``value`` checked to be a non-negative integer."""
-    if value is None:
-        return None
-    return check_int(where, arg, value, 0, _NON_NEGATIVE, "non-negative")
-
-
-def check_checkpoints(where: str, checkpoints: Any, bound: int | None) -> int:
-    """The number of snapshots: ``checkpoints`` checked, or the default."""
-    if checkpoints is None:
-        return revolve.default_slots(bound)
-    n = _positive(where, "checkpoints", checkpoints)
-    # More snapshots than steps are never used.
-    return n if bound is None else max(1, min(n, bound + 1))
-
-
-def _mode(where: str, mode: Any, invert: Any) -> str:
-    """The backward mode from ``mode=`` and the deprecated ``invert=``.
-
-    Raises:
-      TypeError: when both are given, or ``invert`` is not None or a bool.
-      ValueError: when ``mode`` is not one of the four modes.
-    """
-    if invert is not UNSET:
-        if mode is not AUTO:
-            raise TypeError(
-                f"{where}: got both invert= and mode=; invert= is deprecated, "
-                "give mode= only"
-            )
-        if not (invert is None or isinstance(invert, _BOOLS)):
-            raise fail(where, "invert", invert, "None (automatic), True or False")
-        mode = _FROM_INVERT[None if invert is None else bool(invert)]
-        warnings.warn(
-            f"{where}: invert={invert!r} is deprecated; use mode={mode!r}",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    if not isinstance(mode, str) or mode not in choose.MODES:
-        raise fail(where, "mode", mode, one_of(choose.MODES), ValueError)
-    return str(mode)
-
-
-def while_options(
-    cond_fun: Any,
-    body_fun: Any,
-    max_steps: Any,
-    checkpoints: Any,
-    mode: Any,
-    invert: Any,
-    anchor_every: Any,
-    drift: Any,
-    decisions: Any,
-    kinks: Any,
-) -> tuple[int | None, int, str, int | None, DriftMonitor | None]:
-    """The options of ``revnet.while_loop`` checked.
-
-    Returns:
-      ``(bound, slots, mode, anchor_every, drift)``: ``max_steps`` as an int
-      or None, the number of snapshots, the backward mode, and the anchor
-      interval (the whole loop when only ``drift`` asks for anchors).
-    """
-    check_options(decisions, kinks, "while_loop")
-    check_callable("while_loop", "cond_fun", cond_fun)
-    check_callable("while_loop", "body_fun", body_fun)
-    bound = _non_negative("while_loop", "max_steps", max_steps)
-    if bound is not None and bound > INT32_MAX:
-        raise fail("while_loop", "max_steps", bound, f"at most {INT32_MAX}", ValueError)
-    slots = check_checkpoints("while_loop", checkpoints, bound)
-    mode = _mode("while_loop", mode, invert)
-    if mode == "store" and bound is None:
-        raise ValueError(
-            "while_loop: mode='store' stores carry leaves at every step and needs "
-            "max_steps (room for that many steps); give max_steps, or use "
-            "mode='checkpoint'"
-        )
-    anchor_every = _positive("while_loop", "anchor_every", anchor_every)
-    drift = check_monitor("while_loop", "drift", drift)
-    if anchor_every is not None and bound is None:
-        raise ValueError(
-            "while_loop: anchor_every needs max_steps (room for the anchors is "
-            f"made for max_steps steps), got anchor_every={anchor_every} and "
-            "max_steps=None"
-        )
-    if drift is not None and anchor_every is None:
-        anchor_every = INT32_MAX if bound is None else max(bound, 1)
-    return bound, slots, mode, anchor_every, drift
-
-
-def scan_options(
-    f: Any,
-    length: Any,
-    reverse: Any,
-    unroll: Any,
-    mode: Any,
-    invert: Any,
-    anchor_every: Any,
-    drift: Any,
-    decisions: Any,
-    kinks: Any,
-) -> tuple[int | None, bool, int | bool, str, int | None, DriftMonitor | None]:
-    """The options of ``revnet.scan`` checked, all but ``checkpoints``.
-
-    ``checkpoints`` needs the number of steps: :func:`check_checkpoints`.
-
-    Returns:
-      ``(length, reverse, unroll, mode, anchor_every, drift)``; ``unroll`` as
-      ``lax.scan`` takes it, a bool or a non-negative int.
-    """
-    check_options(decisions, kinks, "scan")
-    check_callable("scan", "f", f)
-    length = _non_negative("scan", "length", length)
-    reverse = check_bool(
-        "scan", "reverse", reverse, "a bool known at trace time (True or False)"
-    )
-    if isinstance(unroll, _BOOLS):
-        unroll = bool(unroll)
-    else:
-        expected = "a bool or a non-negative integer known at trace time"
-        unroll = check_int("scan", "unroll", unroll, 0, expected)
-    mode = _mode("scan", mode, invert)
-    anchor_every = _positive("scan", "anchor_every", anchor_every)
-    drift = check_monitor("scan", "drift", drift)
-    return length, reverse, unroll, mode, anchor_every, drift
-
-
-def scan_length(xs_leaves: list, length: int | None) -> int:
-    """The number of steps, from the leading axes of ``xs`` and ``length``."""
-    if any(np.ndim(x) == 0 for x in xs_leaves):
-        raise ValueError(
-            "scan got a scalar in xs; every leaf of xs needs a leading "
-            "axis to scan over"
-        )
-    lengths = {int(np.shape(x)[0]) for x in xs_leaves}
-    if length is not None:
-        lengths.add(length)
-    if len(lengths) > 1:
-        raise ValueError(
-            "scan got inconsistent lengths: the leading axes of xs and length give "
-            f"{sorted(lengths)}"
-        )
-    if not lengths:
-        raise ValueError("scan needs xs with a leading axis or an explicit length")
-    return lengths.pop()

@@ -58,50 +58,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from revnet import _checks
-from revnet import _loop_carry as carry
-from revnet._engine import (
-    Body,
-    ScanParams,
-    Stuck,
-    choose,
-    expose,
-    leaf_paths,
-    not_invertible,
-    scan_call,
-    scan_function,
-    trace,
-    trace_program,
-    while_function,
-)
+from revnet import _loop_common as common
+from revnet._engine import Body, ScanParams, scan_call, scan_function, while_function
 from revnet.drift import DriftMonitor
 
 __all__ = ["scan", "while_loop"]
-
-
-# Testing aid: callbacks given each backward iteration's remaining-step counter.
-_BACKWARD_STEP_HOOKS: list[Callable[[Any], None]] = []
-
-
-# --------------------------------------------------------------------------- #
-# Shared by both loops.
-
-
-def _mode(jaxpr, carry: range, bounded: bool, mode: str, fail) -> Any:
-    """The backward mode (:mod:`revnet._engine.loops.choose`); ``fail(stuck)``
-    raises."""
-    known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
-    try:
-        return choose.choose_mode(jaxpr, known_in, carry, bounded, mode)
-    except Stuck as stuck:
-        raise fail(stuck) from None
-
-
-# --------------------------------------------------------------------------- #
-# while_loop.
 
 
 def while_loop(
@@ -111,12 +72,12 @@ def while_loop(
     *,
     max_steps: int | None = None,
     checkpoints: int | None = None,
-    mode: str = _checks.AUTO,
+    mode: str = common.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = _checks.UNSET,
+    invert: Any = common.UNSET,
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -199,81 +160,17 @@ def while_loop(
         ``checkpoints`` or ``anchor_every`` is below 1, or ``anchor_every`` is
         given without ``max_steps``.
     """
-    bound, slots, mode, anchor_every, drift = _checks.while_options(
-        cond_fun,
-        body_fun,
-        max_steps,
-        checkpoints,
-        mode,
-        invert,
-        anchor_every,
-        drift,
-        decisions,
-        kinks,
-    )
-    bname = carry.name(body_fun, "body_fun")
-    leaves, tree = jax.tree_util.tree_flatten(init_val)
-    out_tree_box: list = []
-
-    def flat_body(*carry):
-        out = body_fun(jax.tree_util.tree_unflatten(tree, carry))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        out_tree_box.append(out_tree)
-        return out_leaves
-
-    def flat_cond(*carry):
-        return cond_fun(jax.tree_util.tree_unflatten(tree, carry))
-
-    leaves = carry.promoted_carry(flat_body, leaves, [])
-    body_jaxpr, body_consts, _ = trace(flat_body, leaves)
-    nk = len(body_consts)
-    carry_avals = carry.avals(body_jaxpr.invars[nk:])
-    carry.check_carry(
-        bname, tree, out_tree_box[-1], carry_avals, carry.avals(body_jaxpr.outvars)
-    )
-    cond_jaxpr, cond_consts, _ = trace(flat_cond, leaves)
-    pred = carry.avals(cond_jaxpr.outvars)
-    if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
-        raise TypeError(
-            f"cond_fun must return a boolean scalar, got ({carry.describe(pred)})"
-        )
-    paths = leaf_paths("init_val", init_val)
-    rebuilt = [False] * nk + [True] * len(leaves)
-    if expose(body_jaxpr, rebuilt, decisions=decisions, kinks=kinks).n:
-        # Decisions on the carry: only checkpointing makes them again exactly.
-        if mode in ("invert", "store"):
-            raise ValueError(
-                f"while_loop: {bname} makes decisions on the carry (comparisons, "
-                "argmax, round, ...) that a while loop cannot store per step; use "
-                "mode='checkpoint' (checkpointing recomputes them exactly) or "
-                "decisions='recompute'"
-            )
-        mode = "checkpoint"
-    mode = _mode(
-        body_jaxpr,
-        range(nk, nk + len(leaves)),
-        bound is not None,
-        mode,
-        lambda stuck: not_invertible(stuck, paths, nk, bname),
-    )
-    report = None if drift is None else drift.reporter(f"revnet.while_loop({bname})")
+    shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
+    o = common.while_options(cond_fun, body_fun, max_steps, shared)
+    body = common.traced_body(body_fun, "body_fun", init_val, "init_val", o)
+    cond_jaxpr, cond_consts = common.traced_cond(cond_fun, body)
+    jaxpr, chosen, _ = common.backward_mode(body, o)
+    report = common.reporter(o, body)
     run = while_function(
-        body_jaxpr,
-        cond_jaxpr,
-        mode,
-        nk,
-        bound,
-        slots,
-        _BACKWARD_STEP_HOOKS,
-        anchor_every,
-        report,
+        jaxpr, cond_jaxpr, chosen, body.nk, o.bound, o.slots, o.anchor_every, report
     )
-    final = carry.call("while_loop", run, list(body_consts), list(cond_consts), leaves)
-    return jax.tree_util.tree_unflatten(tree, final)
-
-
-# --------------------------------------------------------------------------- #
-# scan.
+    final = common.call("while_loop", run, list(body.consts), cond_consts, body.carry)
+    return body.unflatten(final)
 
 
 def scan(
@@ -285,12 +182,12 @@ def scan(
     unroll: int | bool = 1,
     *,
     checkpoints: int | None = None,
-    mode: str = _checks.AUTO,
+    mode: str = common.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = _checks.UNSET,
+    invert: Any = common.UNSET,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -378,73 +275,20 @@ def scan(
         or ``unroll`` is negative, or when ``checkpoints`` or ``anchor_every``
         is below 1.
     """
-    options = (f, length, reverse, unroll, mode, invert, anchor_every, drift)
-    length, reverse, unroll, mode, anchor_every, drift = _checks.scan_options(
-        *options, decisions, kinks
+    shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
+    o = common.scan_options(f, xs, length, reverse, unroll, shared)
+    body = common.traced_body(f, "f", init, "init", o)
+    jaxpr, chosen, decided = common.backward_mode(body, o)
+    sp = ScanParams(Body(jaxpr, ()), body.nk, body.nc, o.bound, o.reverse, o.unroll)
+    run = scan_function(
+        sp, chosen, o.slots, o.anchor_every, common.reporter(o, body), decided
     )
-    again_options = dict(checkpoints=checkpoints, mode=mode, anchor_every=anchor_every)
-    again_options |= dict(drift=drift, decisions=decisions, kinks=kinks)
-    fname = carry.name(f, "f")
-    c_leaves, c_tree = jax.tree_util.tree_flatten(init)
-    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
-    x_leaves = [jnp.asarray(x) for x in x_leaves]
-    n = _checks.scan_length(x_leaves, length)
-    slots = _checks.check_checkpoints("scan", checkpoints, n)
-    x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
-    nc = len(c_leaves)
-    trees: list = []
 
-    def flat_f(*flat):
-        carry = jax.tree_util.tree_unflatten(c_tree, flat[:nc])
-        x = jax.tree_util.tree_unflatten(x_tree, flat[nc:])
-        out_leaves, out_tree = jax.tree_util.tree_flatten(f(carry, x))
-        # As in lax.scan: any pytree node with two children is a pair.
-        children = jax.tree_util.treedef_children(out_tree)
-        if len(children) != 2:
-            raise TypeError(
-                f"{fname} must return a pair (carry, y), got a value of structure "
-                f"{out_tree}"
-            )
-        trees.append((out_tree, children[0]))
-        return out_leaves
+    def again(fun, c, x):  # under jax.vmap: the scan of the batched body
+        return scan(fun, c, x, o.bound, o.reverse, o.unroll, **o.again)
 
-    def carry_of_f(*flat):
-        out = flat_f(*flat)
-        return out[: trees[-1][1].num_leaves]
-
-    c_leaves = carry.promoted_carry(carry_of_f, c_leaves, x_slices)
-    jaxpr, program, consts, _ = trace_program(flat_f, c_leaves + x_slices)
-    nk = len(consts)
-    out_tree, c_out_tree = trees[-1]
-    carry.check_carry(
-        fname,
-        c_tree,
-        c_out_tree,
-        carry.avals(jaxpr.invars[nk : nk + nc]),
-        carry.avals(jaxpr.outvars[:nc]),
+    run_scan = lambda *g: common.call("scan", run, *g)  # noqa: E731
+    final, ys = scan_call(
+        body.program, o.bound, run_scan, body.consts, body.carry, o.xs, again
     )
-    rebuilt = [False] * nk + [True] * nc + [False] * len(x_leaves)
-    exposed, mode = choose.exposed_mode(
-        jaxpr,
-        rebuilt,
-        range(nk, nk + nc),
-        mode,
-        lambda stuck: not_invertible(stuck, leaf_paths("init", init), nk, fname),
-        decisions=decisions,
-        kinks=kinks,
-    )
-    # Inverting or storing, the body returns its decisions as extra ys.
-    extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
-    body = exposed.jaxpr if extra else jaxpr
-    sp = ScanParams(Body(body, ()), nk, nc, n, reverse, unroll)
-    if drift is not None and anchor_every is None:
-        anchor_every = max(n, 1)  # the initial carry only
-    report = None if drift is None else drift.reporter(f"revnet.scan({fname})")
-    run = scan_function(sp, mode, slots, anchor_every, report, exposed.kept[:extra])
-
-    def again(body, c, x):  # under jax.vmap: the scan of the batched body
-        return scan(body, c, x, n, reverse, unroll, **again_options)
-
-    run_scan = lambda *g: carry.call("scan", run, *g)  # noqa: E731
-    final, ys = scan_call(program, n, run_scan, consts, c_leaves, x_leaves, again)
-    return jax.tree_util.tree_unflatten(out_tree, list(final) + ys)
+    return body.unflatten(list(final) + ys)

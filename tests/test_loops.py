@@ -8,7 +8,6 @@ programs (``memory_analysis``, ``cost_analysis``), never on wall time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 
@@ -21,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from revnet import NotInvertibleError, loops
+from revnet import NotInvertibleError
+from revnet._engine.loops.hooks import backward_steps, modes_chosen
 from revnet.loops import scan, while_loop
 from tests.helpers import (
     UNDER_CUSTOM_VJP3,
@@ -87,21 +87,6 @@ def _loss_while(p, x1, x2, cond, max_steps=None):
 
     y1, y2, i = while_loop(cond, body, (x1, x2, 0), max_steps=max_steps)
     return _readout(y1, y2), i
-
-
-@contextlib.contextmanager
-def _record_backward_steps():
-    """Records the remaining-step counter of every backward iteration.
-
-    Only backward passes traced inside the ``with`` block are recorded.
-    """
-    seen: list[np.ndarray] = []
-    hook = seen.append
-    loops._BACKWARD_STEP_HOOKS.append(hook)
-    try:
-        yield seen
-    finally:
-        loops._BACKWARD_STEP_HOOKS.remove(hook)
 
 
 # --------------------------------------------------------------------------- #
@@ -425,7 +410,7 @@ def test_while_backward_runs_exactly_the_steps_taken():
     text = str(jax.make_jaxpr(jax.grad(loss))(p, x1, x2))
     assert "scan" not in text and "1024" in text  # the bound is only in the cond
     assert text.count("while[") == 2  # one forward, one backward loop
-    with _record_backward_steps() as seen:
+    with backward_steps() as seen:
         g = jax.jit(jax.grad(loss))(p, x1, x2)
         jax.block_until_ready(g)
     assert [int(m) for m in seen] == [8, 7, 6, 5, 4, 3, 2, 1]
@@ -443,7 +428,7 @@ def test_while_backward_runs_exactly_the_steps_taken():
         )
         return _readout(y1, y2)
 
-    with _record_backward_steps() as seen:
+    with backward_steps() as seen:
         gv = jax.jit(jax.vmap(jax.grad(loss_v, argnums=1), (None, 0, 0)))(
             p, x1[:1].repeat(3, 0), stops
         )
@@ -935,25 +920,6 @@ def test_a_new_callback_in_the_same_body_is_called_not_the_cached_one():
 # Regressions: weak types, unperturbed leaves, zero-length scans.
 
 
-@contextlib.contextmanager
-def _modes_seen():
-    """The backward modes chosen by the loops inside the block."""
-    from revnet._engine import choose
-
-    seen, choose_mode = [], choose.choose_mode
-
-    def record(*args, **kwargs):
-        mode = choose_mode(*args, **kwargs)
-        seen.append(mode.kind)
-        return mode
-
-    choose.choose_mode = record
-    try:
-        yield seen
-    finally:
-        choose.choose_mode = choose_mode
-
-
 def _types(tree):
     # lax.scan may give back an unchanged Python scalar leaf as it is.
     return jax.tree_util.tree_map(lambda a: _dtype_weak(jnp.asarray(a)), tree)
@@ -1010,9 +976,9 @@ def test_scan_keeps_weak_types_of_python_scalar_carries(dtype, mode, with_max, k
     with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
         h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
         want = jax.tree_util.tree_map(jnp.asarray, run(lax.scan)(h0, 0.7))
-        with _modes_seen() as seen:
+        with modes_chosen() as seen:
             got = run(scan, **kw)(h0, 0.7)
-        assert seen == [mode]
+        assert [m.kind for m in seen] == [mode]
         assert _types(got) == _types(want)
         assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(lax.scan)), (0, 1))(h0, 0.7)
@@ -1057,9 +1023,9 @@ def test_while_loop_keeps_weak_types_of_python_scalar_carries(
     with jax.enable_x64(dtype == jnp.float64), jax.numpy_dtype_promotion("strict"):
         h0 = jnp.linspace(-0.5, 0.5, 3, dtype=dtype)
         want = jax.tree_util.tree_map(jnp.asarray, run(None)(h0, 0.7))
-        with _modes_seen() as seen:
+        with modes_chosen() as seen:
             got = run(kw)(h0, 0.7)
-        assert seen == [mode]
+        assert [m.kind for m in seen] == [mode]
         assert _types(got) == _types(want)
         assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(None)), (0, 1))(h0, 0.7)
@@ -1117,9 +1083,9 @@ def test_zero_length_scan_behaves_as_lax_scan(dtype, with_xs, mode, step, kw):
             jnp.asarray(1.3, dtype),
         )
         want = run(lax.scan)(*args)
-        with _modes_seen() as seen:
+        with modes_chosen() as seen:
             got = run(scan, **kw)(*args)
-        assert seen == [mode]
+        assert [m.kind for m in seen] == [mode]
         assert _types(got) == _types(want)
         assert_trees_close(got, want, tolerance(dtype), floor=0.0, exact_dtypes=True)
         g_want = jax.grad(loss(run(lax.scan)), (0, 1, 2, 3))(*args)
@@ -1149,9 +1115,9 @@ def test_while_loop_bounded_by_zero_steps(dtype, mode, step, kw):
             jnp.asarray(0.7, dtype),
             jnp.asarray(1.3, dtype),
         )
-        with _modes_seen() as seen:
+        with modes_chosen() as seen:
             got = run(**kw)(*args)
-        assert seen == [mode]
+        assert [m.kind for m in seen] == [mode]
         assert_trees_close(
             got,
             (args[0], args[1], jnp.asarray(0)),
@@ -1224,9 +1190,9 @@ def test_loops_do_not_differentiate_unperturbed_carry_leaves(dtype, mode, with_m
             (while_loss(kw), while_loss(None)),
         ]:
             want = jax.grad(want_loss, (0, 1))(*args)
-            with _modes_seen() as seen:
+            with modes_chosen() as seen:
                 got = jax.grad(got_loss, (0, 1))(*args)
-            assert seen == [mode]
+            assert [m.kind for m in seen] == [mode]
             assert_trees_close(
                 got, want, tolerance(dtype), floor=0.0, exact_dtypes=True
             )

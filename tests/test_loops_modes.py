@@ -16,7 +16,6 @@ parameter, in float32 and float64. Memory is read from compiled programs
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -27,7 +26,8 @@ import pytest
 from jax import lax
 
 from revnet import NotInvertibleError, loops
-from revnet._engine import choose, revolve
+from revnet._engine import revolve
+from revnet._engine.loops.hooks import backward_steps, modes_chosen
 from revnet.loops import scan, while_loop
 from tests.helpers import UNDER_CUSTOM_VJP3, assert_trees_close, temp_bytes, tolerance
 
@@ -104,24 +104,6 @@ def _while_ref(kind, p, c, n):
     return _readout(_unrolled(kind, p, c, n)[0])
 
 
-@contextlib.contextmanager
-def _modes_chosen():
-    """Records the mode of every loop traced inside the block."""
-    seen: list[choose.Mode] = []
-    choose_mode = choose.choose_mode
-
-    def record(*args, **kwargs):
-        mode = choose_mode(*args, **kwargs)
-        seen.append(mode)
-        return mode
-
-    choose.choose_mode = record
-    try:
-        yield seen
-    finally:
-        choose.choose_mode = choose_mode
-
-
 # --------------------------------------------------------------------------- #
 # The mode rule.
 
@@ -145,7 +127,7 @@ def _modes_chosen():
 )
 def test_the_mode_rule(kind, kw, want, stored):
     p = _params(jnp.float32)
-    with _modes_chosen() as seen:
+    with modes_chosen() as seen:
         _while(kind, p, _init(kind, jnp.float32), 3, **kw)
     assert [m.kind for m in seen] == [want]
     if stored is not None:
@@ -156,7 +138,7 @@ def test_scan_modes_follow_the_same_rule():
     p = _params(jnp.float32)
     xs = jnp.linspace(0.5, 1.0, 4)
     for kind, want in zip(KINDS, ("invert", "store", "checkpoint")):
-        with _modes_chosen() as seen:
+        with modes_chosen() as seen:
             scan(
                 lambda c, x: (_step(kind, p, c, x), None), _init(kind, jnp.float32), xs
             )
@@ -415,7 +397,7 @@ def _stored_growth(d: int, k: int) -> int:
 
         return temp_bytes(jax.grad(loss, argnums=(0, 1)), q, v)
 
-    with _modes_chosen() as seen:
+    with modes_chosen() as seen:
         growth = temp(2048) - temp(1024)
     assert {m.kind for m in seen} == {"store"}
     return growth
@@ -434,16 +416,11 @@ def test_stored_memory_grows_with_the_stored_leaf_not_the_carry():
 
 def test_stored_backward_runs_the_steps_taken():
     p = _params(jnp.float32)
-    seen: list = []
-    loops._BACKWARD_STEP_HOOKS.append(seen.append)
-    try:
+    with backward_steps() as seen:
         g = jax.jit(
             jax.grad(lambda c: _while("leapfrog_max", p, c, 5, max_steps=1024))
         )(_init("leapfrog_max", jnp.float32))
         jax.block_until_ready(g)
-        jax.effects_barrier()
-    finally:
-        loops._BACKWARD_STEP_HOOKS.remove(seen.append)
     assert [int(m) for m in seen] == [5, 4, 3, 2, 1]
 
 
@@ -578,7 +555,7 @@ def test_the_readme_loops_run_in_the_modes_the_readme_names():
     blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
     code = next(b for b in blocks if "def leapfrog_max" in b)
     ns: dict = {}  # the block is self-contained (tests/test_readme.py)
-    with _modes_chosen() as seen:
+    with modes_chosen() as seen:
         exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
     # The three loops, then the leapfrog loop that the block differentiates.
     assert [m.kind for m in seen] == ["invert", "store", "checkpoint", "invert"]
@@ -655,7 +632,7 @@ def test_every_mode_gives_autodiffs_gradient(mode, partial, loop, dtype):
         x1, x2, w = (jax.random.normal(k, (3,), dtype) for k in key[:3])
         xs = 0.1 * jax.random.normal(key[3], (4, 3), dtype)
         ours, plain = _mode_losses(loop, partial)
-        with _modes_chosen() as seen:
+        with modes_chosen() as seen:
             got = jax.grad(ours, (0, 1, 2, 3))(x1, x2, w, xs, mode)
         want = jax.grad(plain, (0, 1, 2, 3))(x1, x2, w, xs)
         kinds = {"auto": "invert", "invert": "invert", "checkpoint": "checkpoint"}
@@ -689,7 +666,7 @@ def test_invert_is_deprecated_and_maps_to_a_mode(invert, kind, spelling):
     def run(x):
         return scan(lambda c, x: (c + x, None), x, jnp.ones(3), invert=invert)[0]
 
-    with _modes_chosen() as seen:
+    with modes_chosen() as seen:
         with pytest.warns(DeprecationWarning, match=f"mode='{spelling}'"):
             jax.eval_shape(run, 1.0)
         with pytest.warns(DeprecationWarning, match=f"mode='{spelling}'"):

@@ -12,10 +12,12 @@ at most the output tuple's table of pointers (8 bytes a leaf).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import doctest
 import functools
 import math
+import sys
 import warnings
 
 import haiku as hk
@@ -300,7 +302,7 @@ def test_jax_residuals_outside_revnet_are_other():
     assert report.total_bytes == kept_bytes
 
 
-def test_the_comparison_can_fail(monkeypatch):
+def test_the_comparison_can_fail():
     """A report missing one value, or a loop that records nothing, fails the
     check against the compiled program."""
     f, args = _stack_fn(_where, 4)
@@ -316,14 +318,12 @@ def test_the_comparison_can_fail(monkeypatch):
         )
         with pytest.raises(AssertionError):
             assert_report_is_compiled(short, f, *args, compiled=compiled)
-    monkeypatch.setattr(kept, "loop", lambda *a, **k: None)
     g, loop_args, _ = LOOPS["scan store"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", revnet.StoredGrowthWarning)
+    with kept.hooks_off():  # the loop records nothing
         blind = revnet.stored(g, *loop_args)
-    assert {e.kind for e in blind.entries} == {kept.OTHER}
-    with pytest.raises(AssertionError, match="no revnet function reported"):
-        assert_report_is_compiled(blind, g, *loop_args)
+        assert {e.kind for e in blind.entries} == {kept.OTHER}
+        with pytest.raises(AssertionError, match="no revnet function reported"):
+            assert_report_is_compiled(blind, g, *loop_args)
 
 
 # -- what the report says --------------------------------------------------- #
@@ -360,7 +360,24 @@ def test_docstring_example_runs():
     assert result.attempted >= 5 and result.failed == 0
 
 
-def test_recording_costs_nothing_and_changes_nothing(monkeypatch):
+@contextlib.contextmanager
+def _calls_of(fn):
+    """The calls of the Python function ``fn`` made inside the block, seen by a
+    profiler (``sys.setprofile``): nothing is patched."""
+    code, calls, before = fn.__code__, [], sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(frame.f_back.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(before)
+
+
+def test_recording_costs_nothing_and_changes_nothing():
     """Outside ``revnet.stored`` a hook with nothing growing returns before it
     looks at anything; and the hooks change no compiled program."""
     f, args = _stack_fn(_where, 2)
@@ -375,21 +392,23 @@ def test_recording_costs_nothing_and_changes_nothing(monkeypatch):
         g, loop_args, _ = LOOPS["scan store"]
         hooked_loop = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a)[0][0])))
         hooked_loop = hooked_loop.lower(*loop_args).as_text()
-    monkeypatch.setattr(kept, "invertible", lambda *a, **k: None)
-    monkeypatch.setattr(kept, "loop", lambda *a, **k: None)
-    assert program() == hooked
-    plain_loop = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a)[0][0])))
-    assert plain_loop.lower(*loop_args).as_text() == hooked_loop
-    monkeypatch.undo()
+    with kept.hooks_off():
+        assert program() == hooked
+        plain_loop = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a)[0][0])))
+        assert plain_loop.lower(*loop_args).as_text() == hooked_loop
 
-    def no_stack_walk():
-        raise AssertionError("the hook looked at the stack")
-
-    monkeypatch.setattr(jx, "caller_site", no_stack_walk)
+    # The hooks look at the stack (jx.caller_site) inside revnet.stored ...
     flat, flat_args = _stack_fn(_act(jnp.tanh), 4)
-    jax.grad(lambda *a: jnp.sum(flat(*a)[0]), (0, 1, 2))(*flat_args)
     h, h_args, _ = LOOPS["scan invert"]
-    jax.grad(lambda *a: jnp.sum(h(*a)[0][0]))(*h_args)
+    with _calls_of(jx.caller_site) as calls:
+        revnet.stored(flat, *flat_args)
+        revnet.stored(h, *h_args)
+    assert calls == ["invertible", "loop"], calls
+    # ... and not outside, where nothing grows.
+    with _calls_of(jx.caller_site) as calls:
+        jax.grad(lambda *a: jnp.sum(flat(*a)[0]), (0, 1, 2))(*flat_args)
+        jax.grad(lambda *a: jnp.sum(h(*a)[0][0]))(*h_args)
+    assert calls == [], calls
 
 
 # -- the growth warning ----------------------------------------------------- #

@@ -20,6 +20,9 @@ exactly the values it saves, when it is traced. The hooks change nothing.
   source line, once per line. Anchors (asked for with ``anchor_every``) and
   the user's own ``xs`` and ``ys`` also grow with steps, and are reported,
   but never warned about.
+* **Off.** Inside :func:`hooks_off` the hooks return at once, for tests:
+  that a program traced there is the one traced with the hooks, and that a
+  report missing a call's values fails the check against the program.
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ class StoredValue:
 _SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "revnet_kept", default=None
 )
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "revnet_kept_off", default=False
+)
 _WARNED: set[tuple[str, int]] = set()
 
 
@@ -132,6 +138,17 @@ def recording() -> Iterator[list[StoredValue]]:
         yield sink
     finally:
         _SINK.reset(token)
+
+
+@contextlib.contextmanager
+def hooks_off() -> Iterator[None]:
+    """Inside the block the hooks return at once: forward passes traced there
+    record nothing and warn of nothing (a testing seam: see **Off** above)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 def forget_warnings() -> None:
@@ -178,6 +195,8 @@ def invertible(exposed: Any, consts: Sequence[Any], outs: Sequence[Any]) -> None
       consts: the closed-over values it saves.
       outs: its outputs, then its ``exposed.n`` stored decisions.
     """
+    if _OFF.get():
+        return
     sink = _SINK.get()
     growing = any("scan" in k.within for k in exposed.kept)
     if sink is None and not growing:
@@ -231,6 +250,8 @@ def loop(
         trip count, the final (checkpointing: initial) carry, the ``ys``, the
         stored carry leaves and the anchors.
     """
+    if _OFF.get():
+        return
     sink = _SINK.get()
     growing = bool(decided) or bool(ran.stored)
     if sink is None and not growing:

@@ -7,6 +7,8 @@ the one custom VJP both loops share; its backward pass is :mod:`.invert`
 rebuilt kept at every step) or :mod:`.checkpoint` (carries recomputed by the
 binomial schedule of :mod:`.revolve`). :mod:`.anchors` keeps the carry every
 few steps when inverting, against accumulated reconstruction error.
+:mod:`.hooks` lets tests see the mode each loop gets and the steps a while
+loop's backward pass walks back.
 """
 
 from revnet._engine.loops import choose, revolve

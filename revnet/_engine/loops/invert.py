@@ -18,7 +18,7 @@ down (:func:`_walk_back`). :func:`backward` picks between them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from revnet._engine import sharding
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
+from revnet._engine.loops.hooks import STEP_HOOKS
 from revnet._engine.loops.store import merge
 from revnet._engine.plan import Plan
 
@@ -240,7 +241,6 @@ def backward(
     cts: tuple[Sequence[Any], Sequence[Any]],
     perturbed: tuple[Sequence[bool], Sequence[bool], Sequence[bool]],
     anchors: anc.Anchors | None,
-    step_hooks: Sequence[Callable[[Any], None]] = (),
 ) -> tuple[list, list, list]:
     """The cotangents of a loop's constants, initial carry and ``xs``.
 
@@ -255,8 +255,6 @@ def backward(
       perturbed: which constants, initial carry leaves and ``xs`` are
         differentiated.
       anchors: the stored anchors, or None.
-      step_hooks: callbacks given a while loop's remaining-step counter at
-        every backward iteration (a testing aid).
 
     Returns:
       ``(constants, initial carry, xs)`` cotangents, None where zero.
@@ -268,9 +266,7 @@ def backward(
     if sp.length is None:
         p_k, p_c, _ = perturbed
         body_perturbed = list(p_k) + pb.loop_carry(sp.body.jaxpr, p_k, p_c, [])
-        return _walk_back(
-            sp, mode, consts, ran, cts[0], body_perturbed, anchors, step_hooks
-        )
+        return _walk_back(sp, mode, consts, ran, cts[0], body_perturbed, anchors)
     nk, nc = sp.num_consts, sp.num_carry
     known_xs = (True,) * len(xs)
     known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
@@ -291,13 +287,14 @@ def backward(
     return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
 
-def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors, step_hooks):
+def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
     """A while loop's backward pass: ``ran.steps`` steps back from the final
-    carry, in one ``lax.while_loop``."""
+    carry, in one ``lax.while_loop``; each iteration gives its remaining-step
+    counter to the testing hooks in :data:`.hooks.STEP_HOOKS`."""
     body_jaxpr, nk = sp.body.jaxpr, sp.num_consts
     k_avals = [jx.aval(v) for v in body_jaxpr.invars[:nk]]
     c_avals = [jx.aval(v) for v in body_jaxpr.invars[nk:]]
-    n, bufs, hooks = ran.steps, ran.stored, tuple(step_hooks)
+    n, bufs, hooks = ran.steps, ran.stored, tuple(STEP_HOOKS)
 
     def go(state):
         return state[0] > 0

@@ -32,6 +32,7 @@ from revnet._engine.jaxpr import LoopTag
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops import checkpoint, forward, invert
 from revnet._engine.loops.choose import CHECKPOINT, Mode
+from revnet._engine.loops.hooks import MODE_HOOKS
 
 SCAN, WHILE = "scan", "while_loop"
 
@@ -103,7 +104,6 @@ def while_function(
     nk: int,
     bound: int | None,
     slots: int,
-    step_hooks: Sequence[Any] = (),
     anchor_every: int | None = None,
     report: Any = None,
 ) -> Callable[..., Any]:
@@ -115,8 +115,6 @@ def while_function(
       nk: the number of the body's constants.
       bound: the largest number of steps, or None.
       slots: the number of snapshots when checkpointing.
-      step_hooks: callbacks given the remaining-step counter of every backward
-        iteration at run time (a testing aid; read when the backward is traced).
       anchor_every: as in :func:`scan_function`; room is made for the anchors
         of ``bound`` steps (of one step without a bound: the initial carry).
       report: as in :func:`scan_function`.
@@ -140,7 +138,7 @@ def while_function(
             body_jaxpr, cond_jaxpr, bound, stored, every
         ),
     )
-    return _loop_vjp(loop, mode, slots, anchor_every, report, step_hooks)
+    return _loop_vjp(loop, mode, slots, anchor_every, report)
 
 
 def scan_function(
@@ -181,7 +179,7 @@ def scan_function(
         lambda stored, every: forward.scan_forwards(sp, stored, every),
         tuple(decided),
     )
-    return _loop_vjp(loop, mode, slots, anchor_every, report, ())
+    return _loop_vjp(loop, mode, slots, anchor_every, report)
 
 
 def _loop_vjp(
@@ -190,9 +188,11 @@ def _loop_vjp(
     slots: int,
     anchor_every: int | None,
     report: Any,
-    step_hooks: Sequence[Any],
 ) -> Callable[..., Any]:
-    """The custom-VJP function of ``loop`` in ``mode``."""
+    """The custom-VJP function of ``loop`` in ``mode``; the testing hooks in
+    :data:`.hooks.MODE_HOOKS` are given ``mode``."""
+    for hook in tuple(MODE_HOOKS):
+        hook(mode)
     rebuild = mode.kind != CHECKPOINT  # invert and store walk back from the end
     loops = loop.forwards(mode.stored, anchor_every if rebuild else None)
     every = loops.every
@@ -219,7 +219,7 @@ def _loop_vjp(
         if rebuild:
             anchors = None if every is None else anc.Anchors(every, ran.anchors, report)
             ct_k, ct_c, ct_x = invert.backward(
-                loop.sp, mode, consts, xs, ran, cts, perturbed, anchors, step_hooks
+                loop.sp, mode, consts, xs, ran, cts, perturbed, anchors
             )
         else:
             ct_k, ct_c, ct_x = checkpoint.backward(

@@ -1,0 +1,444 @@
+"""What ``revnet.while_loop`` and ``revnet.scan`` share, one step each.
+
+The front-ends in :mod:`revnet.loops` call these in order: the options
+checked (:func:`while_options`, :func:`scan_options`, with the one-line
+errors of :mod:`revnet._checks`); the body traced once to a flat jaxpr, the
+initial carry promoted as ``lax.scan`` does and the carry returned checked
+(:func:`traced_body`; a while loop's condition: :func:`traced_cond`); the
+decisions exposed and the backward mode chosen (:func:`backward_mode`, by the
+rule of :mod:`revnet._engine.loops.choose`); then the loop the engine builds
+is run by :func:`call`, which names the loop when forward mode reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from revnet._checks import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_monitor,
+    fail,
+    one_of,
+)
+from revnet._engine import (
+    INT32_MAX,
+    Stuck,
+    aval,
+    check_options,
+    choose,
+    expose,
+    leaf_paths,
+    not_invertible,
+    revolve,
+    trace,
+    trace_program,
+)
+from revnet.drift import DriftMonitor
+
+WHILE, SCAN = "while_loop", "scan"
+_BOOLS = (bool, np.bool_)
+
+
+# --------------------------------------------------------------------------- #
+# Options.
+
+_NON_NEGATIVE = "a non-negative integer known at trace time (a Python or NumPy integer)"
+_POSITIVE = "a positive integer known at trace time, or None"
+
+
+class Default(str):
+    """The default of ``mode=`` (``"auto"``), told apart from ``"auto"`` given."""
+
+
+AUTO = Default(choose.AUTO)
+
+# A sentinel: ``invert=`` was not given.
+UNSET: Any = object()
+
+_FROM_INVERT = {None: choose.AUTO, True: choose.INVERT, False: choose.CHECKPOINT}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A loop's options, checked.
+
+    ``bound`` is a while loop's ``max_steps`` (or None) and a scan's number of
+    steps; ``slots`` the number of snapshots when checkpointing;
+    ``anchor_every`` the anchor interval (the whole loop when only ``drift``
+    asks for anchors). A scan's ``xs`` are arrays, with their ``x_tree``, and
+    ``again`` holds its keyword options, to make it again under ``jax.vmap``.
+    """
+
+    loop: str
+    bound: int | None
+    slots: int
+    mode: str
+    anchor_every: int | None
+    drift: DriftMonitor | None
+    decisions: str
+    kinks: str
+    reverse: bool = False
+    unroll: int | bool = 1
+    xs: list = dataclasses.field(default_factory=list)
+    x_tree: Any = None
+    again: dict = dataclasses.field(default_factory=dict)
+
+
+def _positive(where: str, arg: str, value: Any, minimum: int = 1) -> int | None:
+    """None, or ``value`` checked to be a positive (``minimum=0``: non-negative)
+    integer."""
+    if value is None:
+        return None
+    if minimum == 0:
+        return check_int(where, arg, value, 0, _NON_NEGATIVE, "non-negative")
+    return check_int(where, arg, value, 1, _POSITIVE, "at least 1")
+
+
+def check_checkpoints(where: str, checkpoints: Any, bound: int | None) -> int:
+    """The number of snapshots: ``checkpoints`` checked, or the default."""
+    if checkpoints is None:
+        return revolve.default_slots(bound)
+    n = _positive(where, "checkpoints", checkpoints)
+    # More snapshots than steps are never used.
+    return n if bound is None else max(1, min(n, bound + 1))
+
+
+def _mode(where: str, mode: Any, invert: Any) -> str:
+    """The backward mode from ``mode=`` and the deprecated ``invert=``."""
+    if invert is not UNSET:
+        if mode is not AUTO:
+            raise TypeError(
+                f"{where}: got both invert= and mode=; invert= is deprecated, "
+                "give mode= only"
+            )
+        if not (invert is None or isinstance(invert, _BOOLS)):
+            raise fail(where, "invert", invert, "None (automatic), True or False")
+        mode = _FROM_INVERT[None if invert is None else bool(invert)]
+        warnings.warn(
+            f"{where}: invert={invert!r} is deprecated; use mode={mode!r}",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    if not isinstance(mode, str) or mode not in choose.MODES:
+        raise fail(where, "mode", mode, one_of(choose.MODES), ValueError)
+    return str(mode)
+
+
+def while_options(
+    cond_fun: Any, body_fun: Any, max_steps: Any, shared: tuple
+) -> Options:
+    """The options of ``revnet.while_loop`` checked; ``bound`` is ``max_steps``.
+
+    ``shared`` holds the options both loops take: ``(checkpoints, mode,
+    invert, anchor_every, drift, decisions, kinks)``.
+    """
+    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
+    check_options(decisions, kinks, WHILE)
+    check_callable(WHILE, "cond_fun", cond_fun)
+    check_callable(WHILE, "body_fun", body_fun)
+    bound = _positive(WHILE, "max_steps", max_steps, 0)
+    if bound is not None and bound > INT32_MAX:
+        raise fail(WHILE, "max_steps", bound, f"at most {INT32_MAX}", ValueError)
+    slots = check_checkpoints(WHILE, checkpoints, bound)
+    mode = _mode(WHILE, mode, invert)
+    if mode == "store" and bound is None:
+        raise ValueError(
+            "while_loop: mode='store' stores carry leaves at every step and needs "
+            "max_steps (room for that many steps); give max_steps, or use "
+            "mode='checkpoint'"
+        )
+    anchor_every = _positive(WHILE, "anchor_every", anchor_every)
+    drift = check_monitor(WHILE, "drift", drift)
+    if anchor_every is not None and bound is None:
+        raise ValueError(
+            "while_loop: anchor_every needs max_steps (room for the anchors is "
+            f"made for max_steps steps), got anchor_every={anchor_every} and "
+            "max_steps=None"
+        )
+    if drift is not None and anchor_every is None:
+        anchor_every = INT32_MAX if bound is None else max(bound, 1)
+    return Options(WHILE, bound, slots, mode, anchor_every, drift, decisions, kinks)
+
+
+def scan_options(
+    f: Any, xs: Any, length: Any, reverse: Any, unroll: Any, shared: tuple
+) -> Options:
+    """The options of ``revnet.scan`` checked, as :func:`while_options`;
+    ``bound`` is the number of steps, from ``length`` and ``xs``."""
+    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
+    check_options(decisions, kinks, SCAN)
+    check_callable(SCAN, "f", f)
+    length = _positive(SCAN, "length", length, 0)
+    expected = "a bool known at trace time (True or False)"
+    reverse = check_bool(SCAN, "reverse", reverse, expected)
+    if isinstance(unroll, _BOOLS):
+        unroll = bool(unroll)
+    else:
+        expected = "a bool or a non-negative integer known at trace time"
+        unroll = check_int(SCAN, "unroll", unroll, 0, expected)
+    mode = _mode(SCAN, mode, invert)
+    anchor_every = _positive(SCAN, "anchor_every", anchor_every)
+    drift = check_monitor(SCAN, "drift", drift)
+    again = dict(checkpoints=checkpoints, mode=mode, anchor_every=anchor_every)
+    again |= dict(drift=drift, decisions=decisions, kinks=kinks)
+    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
+    x_leaves = [jnp.asarray(x) for x in x_leaves]
+    n = _scan_length(x_leaves, length)
+    slots = check_checkpoints(SCAN, checkpoints, n)
+    if drift is not None and anchor_every is None:
+        anchor_every = max(n, 1)  # the initial carry only
+    checked = (mode, anchor_every, drift, decisions, kinks)
+    return Options(SCAN, n, slots, *checked, reverse, unroll, x_leaves, x_tree, again)
+
+
+def _scan_length(xs_leaves: list, length: int | None) -> int:
+    """The number of steps, from the leading axes of ``xs`` and ``length``."""
+    if any(np.ndim(x) == 0 for x in xs_leaves):
+        raise ValueError(
+            "scan got a scalar in xs; every leaf of xs needs a leading "
+            "axis to scan over"
+        )
+    lengths = {int(np.shape(x)[0]) for x in xs_leaves}
+    if length is not None:
+        lengths.add(length)
+    if len(lengths) > 1:
+        raise ValueError(
+            "scan got inconsistent lengths: the leading axes of xs and length give "
+            f"{sorted(lengths)}"
+        )
+    if not lengths:
+        raise ValueError("scan needs xs with a leading axis or an explicit length")
+    return lengths.pop()
+
+
+# --------------------------------------------------------------------------- #
+# The traced body.
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedBody:
+    """A loop body traced once, flat: constants, carry, ``xs`` -> carry, ``ys``.
+
+    Attributes:
+      name: the body's name, for messages.
+      jaxpr, program: the body as the analysis reads it, and as traced
+        (:func:`revnet._engine.trace_program`).
+      consts: the values it closes over, its first ``nk`` inputs.
+      carry: the initial carry's ``nc`` leaves, promoted.
+      init_tree, out_tree: the trees of the carry and of the body's result.
+      paths: ``(prefix, init)``: names the carry's leaves in messages.
+    """
+
+    name: str
+    jaxpr: Any
+    program: Any
+    consts: list
+    carry: list
+    init_tree: Any
+    out_tree: Any
+    paths: tuple[str, Any]
+
+    @property
+    def nk(self) -> int:
+        return len(self.consts)
+
+    @property
+    def nc(self) -> int:
+        return len(self.carry)
+
+    def fail(self, stuck: Any) -> Exception:
+        """The :class:`revnet.NotInvertibleError` of ``stuck``, naming the leaf."""
+        return not_invertible(stuck, leaf_paths(*self.paths), self.nk, self.name)
+
+    def unflatten(self, leaves: list) -> Any:
+        """The loop's result from its leaves."""
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+
+def traced_body(
+    fun: Callable[..., Any], arg: str, init: Any, init_arg: str, options: Options
+) -> TracedBody:
+    """The body ``fun(carry)`` (a scan's ``fun(carry, x)``) traced once.
+
+    ``arg`` and ``init_arg`` name ``fun`` and ``init`` in messages; a scan's
+    ``xs`` come with its ``options``.
+
+    Raises:
+      TypeError: when a scan's body does not return a pair, or the body
+        returns a carry of another structure, shape or dtype.
+    """
+    name = _name(fun, arg)
+    leaves, tree = jax.tree_util.tree_flatten(init)
+    nc, pair = len(leaves), options.loop == SCAN
+    x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in options.xs]
+    trees: list = []
+
+    def flat(*args):
+        carry = jax.tree_util.tree_unflatten(tree, args[:nc])
+        if pair:
+            out = fun(carry, jax.tree_util.tree_unflatten(options.x_tree, args[nc:]))
+        else:
+            out = fun(carry)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        c_out_tree = out_tree
+        if pair:  # as in lax.scan: any pytree node with two children is a pair.
+            children = jax.tree_util.treedef_children(out_tree)
+            if len(children) != 2:
+                raise TypeError(
+                    f"{name} must return a pair (carry, y), got a value of "
+                    f"structure {out_tree}"
+                )
+            c_out_tree = children[0]
+        trees.append((out_tree, c_out_tree))
+        return out_leaves
+
+    def carry_of(*args):
+        return flat(*args)[: trees[-1][1].num_leaves]
+
+    leaves = _promoted_carry(carry_of, leaves, x_slices)
+    jaxpr, program, consts, _ = trace_program(flat, leaves + x_slices)
+    nk = len(consts)
+    out_tree, c_out_tree = trees[-1]
+    if tree != c_out_tree:
+        raise TypeError(
+            f"{name} must return a carry with the same structure as its input: "
+            f"got {c_out_tree}, expected {tree}"
+        )
+    in_avals = [aval(v) for v in jaxpr.invars[nk : nk + nc]]
+    out_avals = [aval(v) for v in jaxpr.outvars[:nc]]
+    for a, b in zip(in_avals, out_avals):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise TypeError(
+                f"{name} must return a carry with the same shapes and dtypes as its "
+                f"input: got ({_describe(out_avals)}), expected ({_describe(in_avals)})"
+            )
+    return TracedBody(
+        name, jaxpr, program, consts, leaves, tree, out_tree, (init_arg, init)
+    )
+
+
+def traced_cond(cond_fun: Callable[[Any], Any], body: TracedBody) -> tuple[Any, list]:
+    """``(jaxpr, consts)`` of a while loop's condition, on ``body``'s carry;
+    TypeError unless it returns a boolean scalar."""
+
+    def flat_cond(*carry):
+        return cond_fun(jax.tree_util.tree_unflatten(body.init_tree, carry))
+
+    jaxpr, consts, _ = trace(flat_cond, body.carry)
+    pred = [aval(v) for v in jaxpr.outvars]
+    if len(pred) != 1 or pred[0].shape != () or pred[0].dtype != jnp.bool_:
+        raise TypeError(
+            f"cond_fun must return a boolean scalar, got ({_describe(pred)})"
+        )
+    return jaxpr, consts
+
+
+def _name(fun: Any, default: str) -> str:
+    """A function's name for messages, looking through ``functools.partial``."""
+    while not hasattr(fun, "__name__") and hasattr(fun, "func"):
+        fun = fun.func
+    return getattr(fun, "__name__", default)
+
+
+def _describe(avals: Any) -> str:
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+
+
+def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
+    """The initial carry's leaves as arrays, promoted as ``lax.scan`` does.
+
+    ``lax.scan`` and ``lax.while_loop`` let a weakly typed leaf of the initial
+    carry (a Python scalar such as ``0`` or ``1.0``) take the dtype that the
+    body returns for it (``0`` becomes float32 when the body adds a float32 to
+    it), and check the carry's type only after that promotion. A weak leaf
+    whose dtype the body keeps stays weak (``lax.scan(f, 0, xs)`` with ``f``
+    returning ``c + 1`` returns a weak int32): under
+    ``jax.numpy_dtype_promotion("strict")`` the body may then add it to a
+    float. This does the same, by one abstract evaluation of
+    ``fun(*leaves, *extra)``, which returns the new carry's leaves, and only
+    when a leaf is weak. When the body returns a carry with another number of
+    leaves nothing is promoted: the carry check that follows reports it.
+    """
+    arrays = [jnp.asarray(x) for x in leaves]
+    if any(getattr(a, "weak_type", False) for a in arrays):
+        out = jax.eval_shape(fun, *arrays, *extra)
+        if len(out) == len(arrays):
+            arrays = [
+                a
+                if not getattr(a, "weak_type", False) or a.dtype == o.dtype
+                else lax.convert_element_type(a, jax.dtypes.result_type(a, o))
+                for a, o in zip(arrays, out)
+            ]
+    return arrays
+
+
+# --------------------------------------------------------------------------- #
+# The backward mode, and the call.
+
+
+def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
+    """``(jaxpr, mode, decided)``: the body the loop runs, its backward mode,
+    and the records (:class:`revnet._engine.Kept`) of the decisions it returns
+    as its last ``ys``, stored at every step when a scan is not checkpointed.
+
+    A while loop cannot store decisions per step: a body with decisions on the
+    carry is checkpointed (``mode="invert"`` and ``"store"`` raise ValueError).
+    """
+    o, carry, rebuilt = options, range(body.nk, body.nk + body.nc), [False] * body.nk
+    rebuilt += [True] * body.nc + [False] * len(o.xs)
+    kw = dict(decisions=o.decisions, kinks=o.kinks)
+    if o.loop == SCAN:
+        exposed, mode = choose.exposed_mode(
+            body.jaxpr, rebuilt, carry, o.mode, body.fail, **kw
+        )
+        extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
+        return (exposed.jaxpr if extra else body.jaxpr), mode, exposed.kept[:extra]
+    mode = o.mode
+    if expose(body.jaxpr, rebuilt, **kw).n:
+        if mode in ("invert", "store"):
+            raise ValueError(
+                f"while_loop: {body.name} makes decisions on the carry (comparisons, "
+                "argmax, round, ...) that a while loop cannot store per step; use "
+                "mode='checkpoint' (checkpointing recomputes them exactly) or "
+                "decisions='recompute'"
+            )
+        mode = choose.CHECKPOINT
+    known_in = tuple(n not in carry for n in range(len(body.jaxpr.invars)))
+    try:
+        chosen = choose.choose_mode(
+            body.jaxpr, known_in, carry, o.bound is not None, mode
+        )
+    except Stuck as stuck:
+        raise body.fail(stuck) from None
+    return body.jaxpr, chosen, ()
+
+
+def reporter(options: Options, body: TracedBody) -> Any:
+    """The drift report of ``revnet.{loop}({body})``, or None without a monitor."""
+    if options.drift is None:
+        return None
+    return options.drift.reporter(f"revnet.{options.loop}({body.name})")
+
+
+def call(loop: str, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)``, naming revnet's loop when forward mode reaches it."""
+    try:
+        return run(*args)
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(
+            f"revnet.{loop} is differentiable in reverse mode only (jax.grad, "
+            "jax.vjp, jax.jacrev, and jax.hessian, which is forward-over-reverse); "
+            "forward mode (jax.jvp, jax.jacfwd) was applied to it"
+        ) from None
