@@ -43,9 +43,9 @@ inputs cannot be rebuilt at their precision at all (:func:`ill_conditioned`:
 
 Run it from the repository root::
 
-    python -m tests.fuzz_programs --programs 20000 --seed 1 --jobs 2
-    python -m tests.fuzz_programs --programs 500 --only custom_vjp,nested_jit
-    python -m tests.fuzz_programs --programs 500 --disable half_dot --verbose
+    python -m tests.fuzz --programs 20000 --seed 1 --jobs 2
+    python -m tests.fuzz --programs 500 --only custom_vjp,nested_jit
+    python -m tests.fuzz --programs 500 --disable half_dot --verbose
 
 It prints the counts table and, for each construct, the first failures with
 their message and their (shrunk) source. The exit status is 1 when a program was
@@ -59,7 +59,6 @@ import collections
 import dataclasses
 import functools
 import multiprocessing
-import sys
 import textwrap
 import time
 import traceback
@@ -1763,7 +1762,7 @@ def _run_chunk(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m tests.fuzz_programs --programs N --seed S``."""
+    """Command line: ``python -m tests.fuzz --programs N --seed S``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--programs", type=int, default=2000)
     p.add_argument("--seed", type=int, default=1)
@@ -1804,7 +1803,3 @@ def main(argv: list[str] | None = None) -> int:
         print("\nFailures (first of each construct, shrunk):")
         print(report.failures_text(ns.failures))
     return 1 if report.total["wrong"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
