@@ -64,7 +64,7 @@ FUZZ_PROGRAMS ?= 20000
 FUZZ_SEED ?= 1
 FUZZ_JOBS ?= 2
 fuzz: $(STAMP_TEST)
-	$(PY) -m tests.fuzz_programs --programs $(FUZZ_PROGRAMS) --seed $(FUZZ_SEED) \
+	$(PY) -m tests.fuzz --programs $(FUZZ_PROGRAMS) --seed $(FUZZ_SEED) \
 		--jobs $(FUZZ_JOBS)
 
 lint: $(STAMP_TEST)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import revnet
-from tests import fuzz_programs as fz
+from tests import fuzz as fz
 from tests.helpers import check_against_autodiff
 
 
@@ -29,7 +29,7 @@ def test_convert_to_integer_is_rejected():
 
 # --------------------------------------------------------------------------- #
 # Errors, also at the start or end of random invertible programs (the random
-# invertible programs themselves are checked in ``tests/test_fuzz.py``).
+# invertible programs themselves are checked in ``tests/fuzz/test_fuzz.py``).
 
 _BREAKERS = [
     ("x * x", lambda x: x * x, "used more than once"),

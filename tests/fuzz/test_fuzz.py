@@ -1,4 +1,4 @@
-"""Random-program fuzzing of invertible, inverse and scan (tests/fuzz_programs.py).
+"""Random-program fuzzing of invertible, inverse and scan (tests/fuzz/).
 
 ``make test-all`` runs 1,000 random programs in two shards and 2,000 programs
 with decisions in four (``pytest -s`` prints each shard's counts table); ``make
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import revnet
-from tests import fuzz_programs as fz
+from tests import fuzz as fz
 
 pytestmark = pytest.mark.slow  # thousands of random programs
 
