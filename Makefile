@@ -38,15 +38,16 @@ test-all: $(STAMP_TEST) $(STAMP_EXP)
 # keep CI's time: JAX_CUSTOM_VJP3 with JAX_REMAT3 (as later JAX releases turn
 # them on together), then JAX_SCAN3 alone (under it plain JAX cannot
 # differentiate or vmap some scans, and those tests skip). The Haiku stack's
-# own files stand for tests/blocks (NEXT_TESTS=... tests/blocks for all), and
-# the inverse rules of single primitives (tests/test_rules.py), which the flags
-# do not touch, run once in test-all; so do the slow tier's depth-128 memory,
+# own files stand for tests/doors/haiku (NEXT_TESTS=... tests/doors/haiku for
+# all), and the inverse rules of single primitives (tests/rules), which the
+# flags do not touch, run once in test-all; so do the slow tier's depth-128 memory,
 # exact bytes and depth-32 decision programs (NEXT_MARK="" runs them here too).
-# tests/test_next_primitives.py sets each flag itself and runs in test-all.
+# tests/project/test_next_primitives.py sets each flag itself and runs in test-all.
 NEXT_PASSES ?= JAX_CUSTOM_VJP3=1,JAX_REMAT3=1 JAX_SCAN3=1
-NEXT_TESTS ?= tests/test_invertible.py tests/test_engine.py \
-	tests/test_ivjp.py tests/test_loops.py tests/test_loops_modes.py \
-	tests/blocks/test_sequence.py tests/blocks/test_coupling.py tests/test_decisions.py
+NEXT_TESTS ?= tests/core/test_invertible.py tests/core/test_ivjp.py \
+	tests/engine/test_engine.py tests/engine/test_decisions.py \
+	tests/loops/test_while_loop.py tests/loops/test_scan.py tests/loops/test_modes.py \
+	tests/doors/haiku/test_sequence.py tests/doors/haiku/test_coupling.py
 NEXT_MARK ?= not slow
 test-next: $(STAMP_TEST)
 	@status=0; for flags in $(NEXT_PASSES); do \

@@ -14,7 +14,7 @@ front-end.
 
 # The modules marked "registers" add structural rules, plan-step handlers or
 # evaluators to the engine's tables when imported: they are imported here on
-# purpose, each by name (tests/test_engine_structure.py fails if one is missing).
+# purpose, each by name (tests/engine/test_structure.py fails if one is missing).
 from revnet._engine import (
     cotangents,
     kept,

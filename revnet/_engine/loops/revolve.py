@@ -9,7 +9,7 @@ s)``, the most steps that ``s`` snapshots reverse evaluating no step more than
 ``m = max(1, L - b(s - 1, r), b(s, r - 2))`` steps, store a snapshot there,
 reverse the right part with one snapshot fewer, then the left part with as
 many. That evaluates the body ``r * L - b(s + 1, r - 1)`` times, the fewest
-possible (``tests/test_loops_modes.py`` checks the schedule's count against a
+possible (``tests/loops/test_modes.py`` checks the schedule's count against a
 dynamic programme). The number of steps is read at run time, so it need not
 be known when the loop is traced (``while_loop``), and the schedule runs inside
 one ``lax.while_loop``: memory is ``slots`` carries, whatever ``n`` is.

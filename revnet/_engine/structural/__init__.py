@@ -6,5 +6,5 @@ its plan step's handler to the interpreter when imported: :mod:`.calls`
 (``select_n`` with a known predicate), :mod:`.slices` (slices that cover a
 value together) and :mod:`.shard_map` (``shard_map``). This package imports
 none of them: ``revnet/_engine/__init__.py`` imports each by name
-(``tests/test_engine_structure.py`` fails otherwise).
+(``tests/engine/test_structure.py`` fails otherwise).
 """

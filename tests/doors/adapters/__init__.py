@@ -1,0 +1,46 @@
+"""The front doors of the conformance table (tests/doors/test_table.py).
+
+Each door is a module ``tests/doors/adapters/<name>.py`` written the way a user of its
+framework would write it, through revnet's public front door, with:
+
+* ``REQUIRES``: None, or the package the door needs; a door whose package is
+  missing skips (``pytest.importorskip`` at its top, the reason naming the
+  extra to install);
+* ``build(depth, *, dtype, reversible, anchor_every=None, drift=None, seed=0)
+  -> Built``: a stack of ``depth`` of the framework's own additive-coupling
+  blocks whose residual functions F and G each hold a BatchNorm (train mode,
+  batch statistics) and dropout (rate :data:`RATE`), on an input ``x`` of
+  shape ``[BATCH, WIDTH]``. The same ``seed`` gives the same parameters,
+  reversible or not. It also takes the sequence's ``compute_dtype`` and
+  ``activation_sharding``;
+* ``build_mixed(*, dtype, reversible, seed=0) -> Built``: a list of
+  different blocks (that coupling, an affine coupling, that coupling again);
+* ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,
+  seed=0) -> Built``: the door's reversible transformer blocks (dropout rate
+  :data:`RATE`) on ``x`` of shape ``[BATCH, TIME, MODEL]``;
+* ``ERRORS``: ``(make, exception type, message pattern)`` rows of bad input
+  that the door refuses in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+BATCH = 16
+WIDTH = 32
+RATE = 0.1
+TIME, MODEL, HEADS, MLP = 5, 16, 2, 32
+
+
+class Built(NamedTuple):
+    """A door's model: ``apply(params, state, x, key) -> (y, new_state)`` is
+    pure and jittable; ``params`` holds every trainable leaf (the same tree
+    structure reversible or not)."""
+
+    params: Any
+    state: Any
+    apply: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+    x: jax.Array

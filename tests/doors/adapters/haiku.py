@@ -1,0 +1,132 @@
+"""The Haiku door: ``revnet.blocks.ReversibleSequence`` of a user's coupling."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from revnet import blocks
+from tests.doors.adapters import BATCH, HEADS, MLP, MODEL, RATE, TIME, WIDTH, Built
+
+REQUIRES = None
+
+
+def residual(h):
+    u = hk.Linear(h.shape[-1])(h)
+    u = hk.BatchNorm(True, True, decay_rate=0.9)(u, is_training=True)
+    return hk.dropout(hk.next_rng_key(), RATE, jnp.tanh(u))
+
+
+def block(x):
+    return blocks.AdditiveCoupling(residual, residual)(x)
+
+
+def affine(x):
+    return blocks.AffineCoupling(hk.nets.MLP([WIDTH, WIDTH]))(x)
+
+
+def _built(model, x, seed):
+    net = hk.transform_with_state(model)
+    params, state = net.init(jax.random.PRNGKey(seed), x)
+
+    def apply(params, state, x, key):
+        return net.apply(params, state, key, x)
+
+    return Built(params, state, apply, x)
+
+
+def _x(seed, dtype, shape=(BATCH, WIDTH)):
+    return jax.random.normal(jax.random.PRNGKey(seed + 1), shape, dtype)
+
+
+def build(
+    depth,
+    *,
+    dtype,
+    reversible,
+    anchor_every=None,
+    drift=None,
+    seed=0,
+    compute_dtype=None,
+    activation_sharding=None,
+):
+    def model(x):
+        seq = blocks.ReversibleSequence(
+            block,
+            depth,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            compute_dtype=compute_dtype,
+            activation_sharding=activation_sharding,
+        )
+        return seq(x)
+
+    return _built(model, _x(seed, dtype), seed)
+
+
+def build_mixed(*, dtype, reversible, seed=0):
+    def model(x):
+        return blocks.ReversibleSequence([block, affine, block], reversible=reversible)(
+            x
+        )
+
+    return _built(model, _x(seed, dtype), seed)
+
+
+def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
+    def model(x):
+        encoder = blocks.ReversibleTransformer(
+            depth,
+            HEADS,
+            MODEL,
+            MLP,
+            dropout_rate=RATE,
+            reversible=reversible,
+            compute_dtype=compute_dtype,
+        )
+        return encoder(x, True)
+
+    return _built(model, _x(seed, dtype, (BATCH, TIME, MODEL)), seed)
+
+
+def _made(make):
+    """A row's thunk: ``make()`` run inside a transform, as Haiku modules are."""
+
+    def thunk():
+        def fn(x):
+            module = make()
+            return module(x) if callable(module) else x
+
+        hk.transform(fn).init(jax.random.PRNGKey(0), jnp.ones((BATCH, WIDTH)))
+
+    return thunk
+
+
+def _seq(*args, **kwargs):
+    return _made(lambda: blocks.ReversibleSequence(*args, **kwargs))
+
+
+ERRORS = [
+    (_seq(block), ValueError, "num_layers must be a positive integer"),
+    (_seq([block, block], 2), ValueError, "with a list of blocks leave out"),
+    (_seq([block, block], anchor_every=1), ValueError, "need a single block_fn"),
+    (_seq(block, 0), ValueError, "num_layers must be a positive integer"),
+    (_seq(block, 2, compute_dtype=jnp.int32), TypeError, "compute_dtype must be"),
+    (
+        _seq(lambda h: 2.0 * h + 1.0, 2, compute_dtype=jnp.bfloat16),
+        ValueError,
+        "these blocks build none",
+    ),
+    (
+        _seq(block, 2, activation_sharding=("data",)),
+        TypeError,
+        "activation_sharding must be None, a jax.sharding.PartitionSpec",
+    ),
+    (
+        _made(lambda: blocks.ReversibleTransformer(2, 2, 15, 32)),
+        ValueError,
+        "model_size must be even",
+    ),
+]

@@ -1,0 +1,169 @@
+"""The Flax NNX door: ``revnet.nnx.ReversibleSequence`` of a user's coupling.
+
+The model is built the NNX way (``nnx.Module``\\ s created with ``nnx.Rngs``)
+and exposed functionally through ``nnx.split``/``nnx.merge``. The door's
+dropout ``key`` reseeds the blocks' ``dropout`` streams (``nnx.reseed``, one
+key per layer), so the same key gives the same masks, as in the other doors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.doors.adapters import BATCH, HEADS, MLP, MODEL, RATE, TIME, WIDTH, Built
+from tests.helpers import cast_floats
+
+REQUIRES = "flax"
+pytest.importorskip(
+    REQUIRES, reason="the nnx door needs flax: pip install 'revnet[nnx]'"
+)
+
+from flax import nnx  # noqa: E402
+
+import revnet.nnx  # noqa: E402
+
+
+class Residual(nnx.Module):
+    """Linear, BatchNorm over the batch axis, tanh, dropout."""
+
+    def __init__(self, size, *, dtype, rngs):
+        self.linear = nnx.Linear(size, size, param_dtype=dtype, rngs=rngs)
+        self.norm = nnx.BatchNorm(size, momentum=0.9, param_dtype=dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(RATE, rngs=rngs)
+
+    def __call__(self, h):
+        return self.dropout(jnp.tanh(self.norm(self.linear(h))))
+
+
+def _coupling(dtype):
+    half = WIDTH // 2
+
+    def block(rngs):
+        return revnet.nnx.AdditiveCoupling(
+            Residual(half, dtype=dtype, rngs=rngs),
+            Residual(half, dtype=dtype, rngs=rngs),
+        )
+
+    return block
+
+
+def _affine(dtype):
+    def block(rngs):
+        net = nnx.Sequential(
+            nnx.Linear(WIDTH // 2, WIDTH, param_dtype=dtype, rngs=rngs),
+            jnp.tanh,
+            nnx.Linear(WIDTH, WIDTH, param_dtype=dtype, rngs=rngs),
+        )
+        return revnet.nnx.AffineCoupling(net)
+
+    return block
+
+
+def _built(blocks, num_layers, x, seed, dtype, **options):
+    model = revnet.nnx.ReversibleSequence(
+        blocks, num_layers, rngs=nnx.Rngs(params=seed, dropout=seed + 1), **options
+    )
+    # The door's state is the BatchNorm statistics (NNX keeps them in float32
+    # whatever the parameters' dtype; the float64 rows want float64). The RNG
+    # streams stay with the graph: each call reseeds them from its key.
+    graphdef, params, stats, streams = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    stats = cast_floats(stats, dtype)
+
+    def apply(params, stats, x, key):
+        model = nnx.merge(graphdef, params, stats, streams, copy=True)
+        nnx.reseed(model, dropout=key, policy="match_shape")
+        y = model(x)
+        return y, nnx.state(model, nnx.BatchStat)
+
+    return Built(params, stats, apply, x)
+
+
+def _x(seed, dtype, shape=(BATCH, WIDTH)):
+    return jax.random.normal(jax.random.key(seed + 1), shape, dtype)
+
+
+def build(
+    depth,
+    *,
+    dtype,
+    reversible,
+    anchor_every=None,
+    drift=None,
+    seed=0,
+    compute_dtype=None,
+    activation_sharding=None,
+):
+    return _built(
+        _coupling(dtype),
+        depth,
+        _x(seed, dtype),
+        seed,
+        dtype,
+        reversible=reversible,
+        anchor_every=anchor_every,
+        drift=drift,
+        compute_dtype=compute_dtype,
+        activation_sharding=activation_sharding,
+    )
+
+
+def build_mixed(*, dtype, reversible, seed=0):
+    blocks = [_coupling(dtype), _affine(dtype), _coupling(dtype)]
+    return _built(blocks, None, _x(seed, dtype), seed, dtype, reversible=reversible)
+
+
+def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
+    def block(rngs):
+        return revnet.nnx.ReversibleTransformerBlock(
+            MODEL,
+            HEADS,
+            MLP,
+            dropout_rate=RATE,
+            param_dtype=dtype,
+            rngs=rngs,
+        )
+
+    x = _x(seed, dtype, (BATCH, TIME, MODEL))
+    return _built(
+        block, depth, x, seed, dtype, reversible=reversible, compute_dtype=compute_dtype
+    )
+
+
+def _seq(*args, **kwargs):
+    return lambda: revnet.nnx.ReversibleSequence(*args, rngs=nnx.Rngs(0), **kwargs)
+
+
+def _plain(rngs):
+    return nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+
+_block = _coupling(jnp.float32)
+ERRORS = [
+    (_seq(_block), ValueError, "num_layers must be a positive integer"),
+    (_seq([_block, _block], 2), ValueError, "with a list of blocks leave out"),
+    (_seq([_block, _block], anchor_every=1), ValueError, "need a single block"),
+    (_seq(_block, 0), ValueError, "num_layers must be a positive integer"),
+    (_seq(_block, 2, compute_dtype=jnp.int32), TypeError, "compute_dtype must be"),
+    (
+        _seq(_plain, 2, compute_dtype=jnp.bfloat16),
+        ValueError,
+        "these blocks build none",
+    ),
+    (
+        _seq(_block, 2, activation_sharding=("data",)),
+        TypeError,
+        "activation_sharding must be None, a jax.sharding.PartitionSpec",
+    ),
+    (
+        _seq(_plain(nnx.Rngs(0)), 2),
+        TypeError,
+        "block must create a block, got an instance of Linear",
+    ),
+    (
+        lambda: revnet.nnx.ReversibleTransformerBlock(15, 2, 32, rngs=nnx.Rngs(0)),
+        ValueError,
+        "model_size must be even",
+    ),
+]

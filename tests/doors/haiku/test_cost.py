@@ -1,0 +1,161 @@
+"""Memory and compute of the reversible training step, from XLA's plans.
+
+Measured with run-time checks off, the library's default.
+``temp_size_in_bytes`` is the activation/workspace memory XLA plans for the
+compiled ``jit(grad(loss))``; ``cost_analysis()["flops"]`` counts a loop body
+once, so reversible and standard scans of the same depth are compared per
+step, and unrolled chains are compared in full.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+from revnet import blocks
+from tests.doors.haiku.descriptors import affine
+from tests.helpers import compiled, flop_count, runtime_checks, temp_size
+
+
+def wide_additive(h: jax.Array) -> jax.Array:
+    half = h.shape[-1] // 2
+    mlp = lambda u: hk.nets.MLP([64, half], activation=jnp.tanh)(u)  # noqa: E731
+    return blocks.AdditiveCoupling(mlp, mlp)(h)
+
+
+def sequence(depth: int, reversible: bool):
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            wide_additive, depth, reversible=reversible
+        )(x)
+    )
+
+
+def anchored(depth: int, reversible: bool):
+    # Anchors every 4 layers; the twin is the same standard backprop.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            wide_additive, depth, reversible=reversible, anchor_every=4
+        )(x)
+    )
+
+
+def revnet(depth: int, reversible: bool):
+    # Two stages of depth // 2 units each, and one non-reversible transition.
+    config = blocks.RevNetConfig((depth // 2, depth // 2), (8, 8, 16))
+    return hk.transform_with_state(
+        lambda x: blocks.RevNet(config, 10, reversible=reversible)(x, True)
+    )
+
+
+def chain(depth: int, reversible: bool):
+    # A heterogeneous list is unrolled, yet its memory must not grow either.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(
+            [wide_additive] * depth, reversible=reversible
+        )(x)
+    )
+
+
+def transformer(depth: int, reversible: bool):
+    # The attention's softmax holds a stop_gradient: no cotangent may flow there.
+    return hk.transform_with_state(
+        lambda x: blocks.ReversibleTransformer(
+            depth, num_heads=4, model_size=64, mlp_size=128, reversible=reversible
+        )(x, True)
+    )
+
+
+SHAPES = {
+    sequence: (256, 64),
+    anchored: (256, 64),
+    revnet: (8, 8, 8, 3),
+    chain: (256, 64),
+    transformer: (8, 64, 64),
+}
+
+
+@functools.cache
+def train_step(model, depth: int, reversible: bool):
+    """The compiled ``jit(grad(loss))`` of a model (parameters never built)."""
+    net = model(depth, reversible)
+    x = jax.ShapeDtypeStruct(SHAPES[model], jnp.float32)
+    params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+
+    def loss(params, state, x):
+        return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
+
+    with runtime_checks(False):  # measure the library's default
+        return compiled(jax.grad(loss), params, state, x)
+
+
+def temp(model, depth, reversible):
+    return temp_size(train_step(model, depth, reversible))
+
+
+@pytest.mark.parametrize(
+    "model, depths", [(sequence, (4, 64)), (revnet, (4, 64)), (chain, (4, 16))]
+)
+@pytest.mark.slow
+def test_activation_memory_is_flat_in_depth(model, depths):
+    small, large = depths
+    rev = {d: temp(model, d, True) for d in depths}
+    std = {d: temp(model, d, False) for d in depths}
+    print(f"{model.__name__}: reversible {rev}, standard {std}")
+    assert rev[large] <= 1.10 * rev[small]
+    # The twin stores activations per block: (at least half-)linear growth.
+    assert std[large] >= (large / small) / 2 * std[small]
+    assert rev[large] * (large / small) / 2 <= std[large]
+
+
+def flop_ratio(model, depth):
+    rev, std = (flop_count(train_step(model, depth, r)) for r in (True, False))
+    return rev / std
+
+
+def test_anchors_add_one_activation_each():
+    activation = 256 * 64 * 4
+    growth = temp(anchored, 64, True) - temp(anchored, 4, True)
+    assert growth == (64 // 4 - 4 // 4) * activation, growth
+    assert temp(anchored, 64, True) * 4 <= temp(anchored, 64, False)
+
+
+@pytest.mark.parametrize("model", [sequence, anchored, revnet, transformer])
+def test_reversible_flops_within_limit(model):
+    ratio = flop_ratio(model, 4)
+    print(f"{model.__name__}: FLOP ratio {ratio:.3f}")
+    # Fused backward: 4/3 for the couplings (plus cheap non-reversible parts).
+    # The lower bound shows the blocks really are recomputed.
+    assert 1.1 <= ratio <= 1.34
+
+
+def test_unrolled_chain_flops_within_limit():
+    """A heterogeneous list is unrolled, so every block is counted."""
+
+    def chain(reversible):
+        return hk.transform_with_state(
+            lambda x: blocks.ReversibleSequence(
+                [wide_additive, affine, wide_additive], reversible=reversible
+            )(x)
+        )
+
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+
+    def step_flops(reversible):
+        net = chain(reversible)
+        params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+
+        def loss(params, state, x):
+            return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
+
+        with runtime_checks(False):
+            step = compiled(jax.grad(loss), params, state, x)
+        return flop_count(step)
+
+    ratio = step_flops(True) / step_flops(False)
+    print(f"unrolled chain: FLOP ratio {ratio:.3f}")
+    assert 1.1 <= ratio <= 1.34

@@ -1,0 +1,233 @@
+"""ReversibleSequence: dropout replay, BatchNorm state, heterogeneous stacks."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from revnet import blocks
+from tests.doors.haiku.descriptors import additive, affine, conv_unit
+from tests.helpers import assert_trees_close
+
+
+def dropout_mlp(h: jax.Array) -> jax.Array:
+    h = jnp.tanh(hk.Linear(16)(h))
+    h = hk.dropout(hk.next_rng_key(), 0.5, h)
+    return hk.Linear(4)(h)
+
+
+def dropout_block(h: jax.Array) -> jax.Array:
+    return blocks.AdditiveCoupling(dropout_mlp, dropout_mlp)(h)
+
+
+@pytest.mark.slow
+def test_dropout_is_replayed_exactly():
+    def net(reversible):
+        def seq():
+            return blocks.ReversibleSequence(dropout_block, 4, reversible=reversible)
+
+        return (
+            hk.transform(lambda x: seq()(x)),
+            hk.transform(lambda y: seq().inverse(y)),
+        )
+
+    (fwd, inv), (twin, _) = net(True), net(False)
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
+    params = fwd.init(jax.random.PRNGKey(0), x)
+    key, other = jax.random.PRNGKey(2), jax.random.PRNGKey(3)
+
+    def grads(model, key):
+        def loss(p, x):
+            return jnp.sum(jnp.sin(model.apply(p, key, x)))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+    assert_trees_close(grads(fwd, key), grads(twin, key), 1e-5)
+    # Dropout is active: another key gives another function.
+    y, y_other = fwd.apply(params, key, x), fwd.apply(params, other, x)
+    assert not np.allclose(y, y_other, atol=1e-3)
+    # The inverse replays the forward's masks when given the same key.
+    np.testing.assert_allclose(inv.apply(params, key, y), x, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(inv.apply(params, other, y), x, atol=1e-2)
+
+
+def batchnorm_net(reversible):
+    return hk.transform_with_state(
+        lambda x, is_training: blocks.ReversibleSequence(
+            conv_unit, 3, reversible=reversible
+        )(x, is_training=is_training)
+    )
+
+
+@pytest.mark.slow
+def test_batchnorm_state_updated_once_like_the_twin():
+    rev, twin = batchnorm_net(True), batchnorm_net(False)
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 4, 8)) * 2 + 1
+    params, state = jax.jit(rev.init, static_argnums=2)(jax.random.PRNGKey(0), x, True)
+
+    def step(model):
+        def loss(p):
+            y, new_state = model.apply(p, state, None, x, True)
+            return jnp.sum(jnp.sin(y)), new_state
+
+        return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+    (g_rev, state_rev), (g_std, state_std) = step(rev), step(twin)
+    assert_trees_close(g_rev, g_std, 1e-5)
+    assert jax.tree.structure(state_rev) == jax.tree.structure(state)
+    for path, new in jax.tree_util.tree_flatten_with_path(state_rev)[0]:
+        name = jax.tree_util.keystr(path)
+        if "counter" in name:
+            # One update per forward pass: reconstruction must not add another.
+            np.testing.assert_array_equal(new, 1, err_msg=name)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        state_rev,
+        state_std,
+    )
+    changed = jax.tree.map(lambda a, b: not np.allclose(a, b), state_rev, state)
+    assert all(jax.tree.leaves(changed))
+
+
+@pytest.mark.slow
+def test_batchnorm_eval_mode_uses_running_statistics():
+    rev, twin = batchnorm_net(True), batchnorm_net(False)
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 4, 8))
+    params, state = jax.jit(rev.init, static_argnums=2)(jax.random.PRNGKey(0), x, True)
+    _, trained = jax.jit(rev.apply, static_argnums=4)(
+        params, state, None, x * 3 + 1, True
+    )
+    apply = jax.jit(rev.apply, static_argnums=4)
+    y, new_state = apply(params, trained, None, x, False)
+    # No batch statistics: one example alone gives the same output.
+    y_one, _ = apply(params, trained, None, x[:1], False)
+    np.testing.assert_allclose(y_one, y[:1], rtol=1e-5, atol=1e-5)
+    # The running statistics are used, and not changed.
+    y_init, _ = apply(params, state, None, x, False)
+    assert not np.allclose(y, y_init, atol=1e-3)
+    jax.tree.map(np.testing.assert_array_equal, new_state, trained)
+
+    def grads(model):
+        def loss(p):
+            return jnp.sum(jnp.sin(model.apply(p, trained, None, x, False)[0]))
+
+        return jax.jit(jax.grad(loss))(params)
+
+    assert_trees_close(grads(rev), grads(twin), 1e-5)
+
+
+def test_blocks_that_lose_information_are_refused():
+    """Any block the core can run backwards is accepted; others are refused."""
+
+    def relu_after(h):
+        return jax.nn.relu(additive(h))
+
+    def half_dropped(h):
+        y = additive(h)
+        return jnp.concatenate([y[..., :4], jnp.zeros_like(y[..., 4:])], -1)
+
+    x = jnp.ones([2, 8])
+    for block in (relu_after, half_dropped):
+        model = hk.transform(lambda x: blocks.ReversibleSequence(block, 2)(x))
+        with pytest.raises(revnet.NotInvertibleError, match="reversible_sequence"):
+            model.init(jax.random.PRNGKey(0), x)
+
+
+def test_code_between_modules_is_inverted():
+    """A block need not be a chain of revnet modules: ``tanh`` has an inverse."""
+
+    def fn(x):
+        seq = blocks.ReversibleSequence(lambda h: jnp.tanh(additive(h) / 8), 3)
+        y = seq(x)
+        return y, seq.inverse(y)
+
+    model = hk.transform(fn)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8))
+    params = model.init(jax.random.PRNGKey(0), x)
+    y, rebuilt = jax.jit(model.apply)(params, None, x)
+    assert not np.allclose(y, x, atol=1e-2)
+    np.testing.assert_allclose(rebuilt, x, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_must_preserve_shape():
+    model = hk.transform(
+        lambda x: blocks.ReversibleSequence(lambda h: blocks.Squeeze()(h), 2)(x)
+    )
+    with pytest.raises(ValueError, match="reversible_sequence.*preserve"):
+        model.init(jax.random.PRNGKey(0), jnp.ones([1, 4, 4, 2]))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"num_layers": 0}],
+    ids=["missing", "zero"],
+)
+def test_num_layers_is_required_for_one_block_fn(kwargs):
+    with pytest.raises(ValueError, match="num_layers"):
+        hk.transform(lambda x: blocks.ReversibleSequence(additive, **kwargs)(x)).init(
+            None, jnp.ones([1, 4])
+        )
+
+
+def test_array_arguments_are_rejected():
+    model = hk.transform(
+        lambda x: blocks.ReversibleSequence(lambda h, s: additive(h * s), 2)(
+            x, jnp.ones(())
+        )
+    )
+    with pytest.raises(TypeError, match="static"):
+        model.init(jax.random.PRNGKey(0), jnp.ones([1, 4]))
+
+
+@pytest.mark.parametrize(
+    "config, convs", [("revnet38", 38), ("revnet110", 110), ("revnet164", 164)]
+)
+def test_revnet_family_depths(config, convs):
+    """Depth counts the convolutions on the path through the reversible units.
+
+    Each unit has two residual functions of two (three with bottlenecks)
+    convolutions; add the initial convolution and the classifier.
+    """
+    net = hk.transform_with_state(lambda x: blocks.RevNet(config, 10)(x, True))
+    x = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
+    params, _ = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+    stage_convs = sum(
+        leaf["w"].shape[0]
+        for path, leaf in params.items()
+        if "/stage_" in path and "conv_" in path
+    )
+    assert stage_convs + 2 == convs
+
+
+@pytest.mark.slow
+def test_sequences_nest_inside_blocks():
+    """A sequence inside a block is one invertible call inside the outer one."""
+
+    def net(reversible):
+        def fn(x):
+            inner = blocks.ReversibleSequence(affine, 2, reversible=reversible)
+            outer = blocks.ReversibleSequence(
+                lambda h: inner(additive(h)), 3, reversible=reversible
+            )
+            y = outer(x)
+            return y, outer.inverse(y)
+
+        return hk.transform(fn)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+    params = net(True).init(jax.random.PRNGKey(0), x)
+    assert {p.shape[:2] for p in jax.tree.leaves(params)} >= {(3, 2)}
+    _, rebuilt = jax.jit(net(True).apply)(params, None, x)
+    np.testing.assert_allclose(rebuilt, x, rtol=1e-5, atol=1e-5)
+
+    def grads(reversible):
+        def loss(p, x):
+            return jnp.sum(jnp.sin(net(reversible).apply(p, None, x)[0]))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+    assert_trees_close(grads(True), grads(False), 1e-5)

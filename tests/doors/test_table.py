@@ -1,0 +1,295 @@
+"""One conformance table for every front door (Haiku, Equinox, Flax NNX).
+
+Each door (``tests/doors/adapters/<name>.py``) builds a stack of its framework's own
+additive-coupling blocks with a BatchNorm and dropout in F and G, through its
+public front door. Every row compares the reversible stack with the door's own
+non-reversible twin on the same parameters: gradients per leaf (parameters and
+input) in float32 and float64, the new BatchNorm statistics, dropout replayed
+with the same key, compiled temporary memory flat in depth, anchors and the
+drift monitor. The features every door offers run through each door too:
+``compute_dtype`` (the couplings compute in it, the stream keeps its dtype,
+memory stays flat), lists of different blocks, the reversible transformer
+block and the one-line refusals of bad input; ``activation_sharding`` runs on
+an 8-device mesh in ``tests/sharding/test_doors.py``. A door whose framework
+is not installed skips with the extra to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from tests.helpers import (
+    assert_trees_close,
+    compiled,
+    equations,
+    runtime_checks,
+    temp_size,
+    tolerance,
+)
+
+DOORS = ["haiku", "equinox", "nnx"]
+
+F64 = pytest.param(jnp.float64, id="f64", marks=pytest.mark.slow)
+BF16 = jnp.bfloat16
+KEY = jax.random.PRNGKey(1)
+DTYPES = [pytest.param(jnp.float32, id="f32"), F64]
+
+
+def load(name):
+    """The door module (skips, naming the extra, if its framework is missing)."""
+    return importlib.import_module(f"tests.doors.adapters.{name}")
+
+
+@pytest.fixture(params=DOORS)
+def door(request):
+    return request.param
+
+
+def loss_fn(apply):
+    def loss(params, state, x, key):
+        y, new_state = apply(params, state, x, key)
+        return jnp.sum(jnp.sin(y)), (y, new_state)
+
+    return loss
+
+
+def train_step(built, key=1):
+    """Loss, output, new state and gradients (params, x) of one step."""
+    grad = jax.jit(jax.value_and_grad(loss_fn(built.apply), (0, 2), has_aux=True))
+    (value, (y, new_state)), grads = grad(
+        built.params, built.state, built.x, jax.random.PRNGKey(key)
+    )
+    return dict(built=built, loss=value, y=y, state=new_state, grads=grads)
+
+
+def assert_equals_twin(rev, std, rtol, what):
+    assert_trees_close(rev["y"], std["y"], rtol, f"{what}: output")
+    assert_trees_close(rev["grads"][0], std["grads"][0], rtol, f"{what}: params")
+    assert_trees_close(rev["grads"][1], std["grads"][1], rtol, f"{what}: input")
+
+
+@functools.cache
+def run(name, dtype, depth=3, anchor_every=None, key=1):
+    """Loss, output, new state and gradients (params, x) of the reversible
+    stack and of its twin, with a dropout key; and the initial state."""
+    door = load(name)
+    out = {}
+    for reversible in (True, False):
+        built = door.build(
+            depth, dtype=dtype, reversible=reversible, anchor_every=anchor_every
+        )
+        out[reversible] = train_step(built, key)
+    return out[True], out[False]
+
+
+def x64(dtype):
+    return jax.enable_x64(jnp.dtype(dtype) == jnp.float64)
+
+
+def test_the_twin_has_the_same_parameters_and_state(door):
+    rev, std = (
+        load(door).build(3, dtype=jnp.float32, reversible=r) for r in (True, False)
+    )
+    for a, b in ((rev.params, std.params), (rev.state, std.state), (rev.x, std.x)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert len(jax.tree.leaves(rev.params)) >= 8  # linear and BatchNorm, F and G
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_equal_the_twin_per_leaf(door, dtype):
+    with x64(dtype):
+        rev, std = run(door, dtype)
+        rtol = tolerance(dtype, loops=True)
+        assert jnp.result_type(rev["y"]) == jnp.dtype(dtype)
+        assert_trees_close(rev["y"], std["y"], rtol, "output")
+        assert_trees_close(rev["grads"][0], std["grads"][0], rtol, "params grads")
+        assert_trees_close(rev["grads"][1], std["grads"][1], rtol, "input grads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batchnorm_statistics_equal_the_twin(door, dtype):
+    with x64(dtype):
+        rev, std = run(door, dtype)
+        assert_trees_close(rev["state"], std["state"], tolerance(dtype), "state")
+        # The statistics really moved: the row could fail.
+        initial = rev["built"].state
+        moved = [
+            not np.allclose(a, b)
+            for a, b in zip(jax.tree.leaves(rev["state"]), jax.tree.leaves(initial))
+            if jnp.issubdtype(jnp.result_type(a), jnp.floating)
+        ]
+        assert moved and all(moved), moved
+
+
+def test_dropout_is_replayed_with_the_same_key(door):
+    rev, std = run(door, jnp.float32)
+    other, other_std = run(door, jnp.float32, key=2)
+    # Same key: the twin's output and gradients, for two keys; the two keys
+    # give two masks, so the comparison is not vacuous.
+    rtol = tolerance(jnp.float32, loops=True)
+    assert_trees_close(rev["y"], std["y"], rtol, "output")
+    assert_trees_close(other["y"], other_std["y"], rtol, "output, key 2")
+    assert_trees_close(other["grads"], other_std["grads"], rtol, "grads, key 2")
+    assert not np.allclose(rev["y"], other["y"], atol=1e-3)
+
+
+def train_step_temp(name, depth, reversible):
+    built = load(name).build(depth, dtype=jnp.float32, reversible=reversible)
+    grad = jax.grad(loss_fn(built.apply), (0, 2), has_aux=True)
+    with runtime_checks(False):  # measure the library's default
+        program = compiled(
+            grad, built.params, built.state, built.x, jax.random.PRNGKey(1)
+        )
+    return temp_size(program)
+
+
+@pytest.mark.slow
+def test_temporary_memory_is_flat_in_depth(door):
+    rev = {d: train_step_temp(door, d, True) for d in (4, 32)}
+    std = train_step_temp(door, 32, False)
+    print(f"{door}: reversible {rev}, twin at 32 {std}")
+    assert rev[32] <= 1.1 * rev[4], rev
+    assert 4 * rev[32] <= std, (rev, std)
+
+
+@pytest.mark.slow
+def test_anchors_equal_the_twin_and_report_drift(door):
+    monitor = revnet.DriftMonitor()
+    built = {
+        r: load(door).build(
+            8,
+            dtype=jnp.float32,
+            reversible=r,
+            anchor_every=4,
+            drift=monitor if r else None,
+        )
+        for r in (True, False)
+    }
+    grads = {
+        r: jax.jit(jax.grad(loss_fn(b.apply), (0, 2), has_aux=True))(
+            b.params, b.state, b.x, jax.random.PRNGKey(1)
+        )
+        for r, b in built.items()
+    }
+    rtol = tolerance(jnp.float32, loops=True)
+    assert_trees_close(grads[True], grads[False], rtol, "anchored grads")
+    jax.effects_barrier()
+    assert monitor.latest is not None and monitor.latest.shape == (2,)
+    assert np.all(monitor.latest < 1e-4), monitor.latest
+
+
+# --------------------------------------------------------------------------- #
+# The features every door offers.
+
+
+def dot_dtypes(built):
+    """The operand dtypes of the matrix products of the forward pass."""
+    eqns = equations(built.apply, built.params, built.state, built.x, KEY)
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    return {str(v.aval.dtype) for e in dots for v in e.invars}
+
+
+@pytest.mark.parametrize("model", ["build", "build_transformer"])
+def test_compute_dtype_runs_the_couplings_in_it(door, model):
+    make = getattr(load(door), model)
+    steps = {
+        r: train_step(make(2, dtype=jnp.float32, reversible=r, compute_dtype=BF16))
+        for r in (True, False)
+    }
+    rev, std = steps[True], steps[False]
+    # The couplings' products run in bfloat16 (only there: the stream's
+    # arithmetic is float32); the stream and every gradient stay float32.
+    assert dot_dtypes(rev["built"]) == {"bfloat16"}, dot_dtypes(rev["built"])
+    assert rev["y"].dtype == jnp.float32
+    assert {g.dtype for g in jax.tree.leaves(rev["grads"])} == {jnp.dtype("float32")}
+    plain = train_step(make(2, dtype=jnp.float32, reversible=False))
+    assert not np.allclose(plain["y"], rev["y"], rtol=1e-4, atol=1e-4)
+    # Two programs computing in bfloat16 round where their fusion puts the
+    # roundings, so the reversible step and its twin differ by bfloat16
+    # rounding (exactly 0 for some doors): per gradient leaf, no more than
+    # twice what computing in bfloat16 costs the twin itself.
+    rtol = tolerance(jnp.float32, loops=True)
+    for n, (r, s, p) in enumerate(
+        zip(*(jax.tree.leaves(t["grads"]) for t in (rev, std, plain)))
+    ):
+        cost = float(jnp.max(jnp.abs(s - p)))
+        bound = 2 * cost + rtol * float(jnp.max(jnp.abs(p)))
+        assert float(jnp.max(jnp.abs(r - s))) <= bound, (model, n, cost)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["build", "build_transformer"])
+def test_compute_dtype_keeps_memory_flat_in_depth(door, model):
+    """The narrowing casts into the couplings are not stored per layer."""
+    make = getattr(load(door), model)
+
+    def temp(depth):
+        built = make(depth, dtype=jnp.float32, reversible=True, compute_dtype=BF16)
+        grad = jax.grad(loss_fn(built.apply), (0, 2), has_aux=True)
+        with runtime_checks(False):
+            return temp_size(
+                compiled(
+                    grad, built.params, built.state, built.x, jax.random.PRNGKey(1)
+                )
+            )
+
+    small, deep = temp(2), temp(16)
+    assert deep <= 1.1 * small, (small, deep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_list_of_different_blocks_equals_the_twin(door, dtype):
+    with x64(dtype):
+        rev, std = (
+            train_step(load(door).build_mixed(dtype=dtype, reversible=r))
+            for r in (True, False)
+        )
+        assert len(jax.tree.leaves(rev["built"].params)) > len(
+            jax.tree.leaves(load(door).build(1, dtype=dtype, reversible=True).params)
+        )
+        assert_equals_twin(rev, std, tolerance(dtype, loops=True), "mixed blocks")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_transformer_block_equals_the_twin(door, dtype):
+    with x64(dtype):
+        rev, std = (
+            train_step(load(door).build_transformer(2, dtype=dtype, reversible=r))
+            for r in (True, False)
+        )
+        assert rev["y"].shape == rev["built"].x.shape
+        assert_equals_twin(rev, std, tolerance(dtype, loops=True), "transformer")
+        # Dropout is on: another key gives another output.
+        other = train_step(rev["built"], key=2)
+        assert not np.allclose(rev["y"], other["y"], atol=1e-3)
+
+
+def _error_rows():
+    rows = []
+    for name in DOORS:
+        try:
+            table = load(name).ERRORS
+        except pytest.skip.Exception:
+            continue
+        rows += [
+            pytest.param(name, *row, id=f"{name}-{i}") for i, row in enumerate(table)
+        ]
+    return rows
+
+
+@pytest.mark.parametrize("name, make, error, message", _error_rows())
+def test_bad_input_is_refused_in_one_line(name, make, error, message):
+    with pytest.raises(error, match=message) as info:
+        make()
+    text = str(info.value)
+    assert "\n" not in text.strip(), text
+    assert re.match(r"(Reversible|reversible_)\w*[:.]", text), text

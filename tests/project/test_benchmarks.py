@@ -1,0 +1,390 @@
+"""The benchmarks: their --tiny runs, the report, the entries and the helpers.
+
+The ``slow`` tests run each benchmark as a user does (``python -m
+benchmarks.NAME --tiny``) and check the claims its plots and tables make on
+the numbers it wrote. The others are fast: the measurement helpers on a tiny
+function, the report from stored JSON, the ``experiments.NAME`` entries, and
+the plain baselines training the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import BENCHMARKS, measure, memory, models, overhead, run
+from tests.helpers import ROOT, assert_trees_close, tolerance
+
+ENTRIES = ("memory", "speed", "numerics", "loops", "loop_compare", "overhead")
+ENTRIES += ("demo", "report")
+
+
+def python(*argv: str) -> subprocess.CompletedProcess:
+    """Runs ``python *argv`` in the repository, run-time checks off."""
+    env = {**os.environ, "REVNET_RUNTIME_CHECKS": "0"}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def tiny(name: str, out) -> dict:
+    """Runs the benchmark ``--tiny`` into ``out``; returns its JSON."""
+    proc = python("-m", f"benchmarks.{BENCHMARKS[name]}", "--tiny", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / f"{name}.json") as f:
+        results = json.load(f)
+    assert results["machine"]["jax"]
+    text = run.section(name, str(out))
+    assert text.startswith("## ") and "Could not render" not in text, text
+    return results
+
+
+# ----------------------------------------------------------------- fast tests
+
+
+def test_measure_helpers_on_a_tiny_function(tmp_path):
+    x = jnp.ones((64, 64), jnp.float32)
+    compiled, stats = measure.compile_stats(lambda a: (a @ a).sum(), x)
+    assert stats["flops"] >= 2 * 64**3  # one 64 x 64 matmul
+    assert stats["argument_bytes"] == 64 * 64 * 4
+    assert stats["total_bytes"] >= stats["temp_bytes"] >= 0
+    assert float(compiled(x)) == 64.0**3
+    times = measure.median_times({"a": lambda: x + 1, "b": lambda: x * 2}, 3, 1)
+    for t in times.values():
+        assert t["repeats"] == 3 and 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+    assert list(measure.rounds("ab", 2)) == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    assert measure.summarize([3.0, 1.0, 2.0])["median_s"] == 2.0
+    assert measure.rss_mib() > 10
+    measure.write_json(str(tmp_path), "x", {"nan": float("nan"), "v": np.float32(2)})
+    with open(tmp_path / "x.json") as f:
+        data = json.load(f)
+    assert data["nan"] is None and data["v"] == 2.0 and data["machine"]["jax"]
+    assert os.listdir(tmp_path) == ["x.json"]  # no temporary file left
+
+
+def test_report_from_stored_json_without_running(tmp_path):
+    rows = [
+        {"program": "sign", "depth": 4, "error_store": 1e-7}
+        | {"error_recompute": 0.5, "temp_store": 2048, "temp_recompute": 1024}
+    ]
+    with open(tmp_path / "decisions.json", "w") as f:
+        json.dump({"rows": rows}, f)
+    with open(tmp_path / "memory.json", "w") as f:
+        f.write("{}")  # renders as an error, the others still do
+    proc = python("-m", "benchmarks.run", "--report-only", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "## Decisions in F" in text and "| sign | 4 | 1.00e-07 |" in text
+    assert "Could not render `memory.json`" in text
+    assert "No `loops.json` in this folder." in text
+    assert sorted(os.listdir(tmp_path)) == [
+        "REPORT.md",
+        "decisions.json",
+        "memory.json",
+    ]
+
+
+def test_time_ratios_to_the_best_plain_baseline_and_their_spread():
+    # Three interleaved rounds; layer_stack is the faster plain baseline.
+    samples = {
+        "plain": [2.0, 2.2, 2.1],
+        "layer_stack": [1.0, 3.0, 1.1],
+        "reversible": [1.5, 1.6, 1.4],
+    }
+    stats = {m: {**measure.summarize(t), "samples_s": t} for m, t in samples.items()}
+    for m in stats:
+        stats[m]["temp_bytes"] = 100.0
+    assert models.compare_to_best_plain(stats) == "layer_stack"
+    rev = stats["reversible"]
+    assert rev["best_plain"] == "layer_stack"
+    assert rev["time_vs_best_plain"] == pytest.approx(1.5 / 1.1)
+    # Per-round ratios 1.5, 0.533, 1.273: not the ratio of the two minima
+    # (1.4) nor of the maxima (0.533), which would make "min" exceed "max".
+    assert rev["time_vs_best_plain_min"] == pytest.approx(1.6 / 3.0)
+    assert rev["time_vs_best_plain_max"] == pytest.approx(1.5)
+    for entry in stats.values():
+        lo, hi = entry["time_vs_best_plain_min"], entry["time_vs_best_plain_max"]
+        assert lo <= entry["time_vs_best_plain"] <= hi
+    assert stats["layer_stack"]["time_vs_best_plain"] == 1.0
+    # A failed round (None) is left out of the pairs, not shifted.
+    assert measure.ratio_spread([1.0, None, 3.0], [1.0, 1.0, 2.0]) == {
+        "min": 1.0,
+        "max": 1.5,
+    }
+    assert measure.ratio_spread([1.0], [1.0, 2.0]) is None
+
+
+def test_a_series_lying_on_another_is_named_in_the_legend():
+    series = [
+        {"label": "scan", "x": [1, 2, 4], "y": [1.0, 10.0, 100.0]},
+        {"label": "unrolled", "x": [1, 2], "y": [1.01, 10.1]},  # on scan's part
+        {"label": "flat", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},  # meets it once
+        {"label": "flat copy", "x": [1, 2, 4], "y": [1.0, 1.0, 1.0]},
+    ]
+    assert measure.coinciding(series, log_y=True) == [None, "scan", None, "flat"]
+    # On a linear axis 1.0 and 1.01 are as close; 10 and 10.1 too (1% of 99).
+    assert measure.coinciding(series[:2], log_y=False) == [None, "scan"]
+
+
+def _memory_results():
+    """A synthetic memory sweep: plain (unrolled) FLOPs grow with depth, generic
+    lies on reversible, and the best plain baseline changes with depth."""
+    times = {  # method: (depth 2, depth 8) per-round samples
+        "standard": ([3.0, 3.1], [9.0, 9.2]),
+        "reversible": ([2.0, 2.1], [6.0, 6.3]),
+        "generic": ([2.0, 2.2], [6.1, 6.2]),
+        "plain": ([1.0, 1.1], [8.0, 8.1]),
+        "layer_stack": ([1.5, 1.6], [7.0, 7.2]),
+    }
+    temp = {"standard": 4.0, "reversible": 1.0, "generic": 1.0, "plain": 3.0}
+    temp["layer_stack"] = 4.0
+    flops = {"standard": 3.0, "reversible": 4.0, "generic": 4.0, "layer_stack": 3.0}
+    rows = []
+    for i, depth in enumerate((2, 8)):
+        for method, samples in times.items():
+            row = {"depth": depth, "method": method, **measure.summarize(samples[i])}
+            row["samples_s"] = samples[i]
+            row["temp_bytes"] = temp[method] * depth * measure.MIB
+            if method == "reversible" or method == "generic":
+                row["temp_bytes"] = temp[method] * measure.MIB
+            row["flops"] = flops.get(method, 3.0 * depth)
+            rows.append(row)
+    memory.add_ratios(rows)
+    res = {"sizes": {}, "depths": [2, 8], "methods": list(times), "rows": rows}
+    return {"size": "tiny", "models": {"mlp": {**res, "missing": {}}}}
+
+
+def test_memory_plot_titles_and_legends_agree():
+    import matplotlib.pyplot as plt
+
+    results = _memory_results()
+    fig = memory.figure(results)
+    try:
+        mem_ax, flops_ax, time_ax = fig.axes
+        labels = [
+            [t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes
+        ]
+        # Every method plotted is in the legend, and generic is not hidden.
+        assert labels[0] == [
+            "standard",
+            "reversible",
+            "generic (overlaps reversible)",
+            "plain",
+            "layer_stack (overlaps standard)",
+        ]
+        # FLOPs: only the scanned stacks, the unrolled one named as left out.
+        assert "plain" not in " ".join(labels[1])
+        assert "per block" in flops_ax.get_title()
+        assert "plain left out" in flops_ax.get_title()
+        # Time: over the best plain baseline, named with its depths.
+        assert "step time / best plain" in time_ax.get_title()
+        assert "best plain: plain (2); layer_stack (8)" in labels[2]
+        assert "best plain" in time_ax.get_ylabel()
+        assert not fig._suptitle  # panel titles say it all, nothing collides
+    finally:
+        plt.close(fig)
+    rows = results["models"]["mlp"]["rows"]
+    by = {(r["method"], r["depth"]): r for r in rows}
+    assert "flops_ratio" not in by["plain", 8]
+    assert by["reversible", 8]["flops_ratio"] == pytest.approx(4 / 3)
+    assert by["reversible", 8]["time_vs_best_plain"] == pytest.approx(6.15 / 7.1)
+
+
+def test_memory_table_columns_are_what_their_headings_say():
+    results = _memory_results()
+    text = memory.markdown(results, "unused")
+    head = "| " + " | ".join(memory.TABLE_HEAD) + " |"
+    assert head in text
+    rows = [line for line in text.splitlines() if line.startswith("| 8 | ")]
+    cells = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in rows}
+    col = {name: i for i, name in enumerate(memory.TABLE_HEAD)}
+    rev = cells["reversible"]
+    assert rev[col["step ms (median)"]] == "6.15e+03"
+    assert rev[col["min–max ms"]] == "6e+03–6.3e+03"
+    assert rev[col["FLOPs / std"]] == "1.33"
+    assert cells["plain"][col["FLOPs / std"]] == "—"
+    assert "layer_stack (best plain)" in cells
+    lo, hi = map(float, rev[col["per-round ratio min–max"]].split("–"))
+    assert lo <= float(rev[col["time / best plain (median)"]]) <= hi
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_experiments_entries_run(name):
+    proc = python("-m", f"experiments.{name}", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--out" in proc.stdout and "--tiny" in proc.stdout
+
+
+def test_one_list_names_every_benchmark_module():
+    for module in BENCHMARKS.values():
+        if os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py")):
+            mod = __import__(f"benchmarks.{module}", fromlist=["NAME"])
+            assert BENCHMARKS[mod.NAME] == module
+            assert callable(mod.main) and callable(mod.markdown)
+
+
+@pytest.mark.parametrize("model", ["conv", "transformer"])
+def test_plain_baselines_train_the_same_parameters(model):
+    """plain, layer_stack and reversible runs of one model give the same loss
+    and gradients, leaf by leaf, once the trees are put in one layout."""
+    sizes = {
+        "conv": {"image_size": 8, "batch": 2, "channels": 8},
+        "transformer": {**models.default_sizes("transformer", True), "seq_len": 8},
+    }[model]
+    out, init = {}, None
+    for method in ("reversible", "plain", "layer_stack"):
+        built = models.build(
+            {"model": model, "method": method, "depth": 2, **sizes}, init=init
+        )
+        init = built.init
+        loss, grads, _ = jax.jit(built.grad_step)(*built.args)
+        out[method] = (loss, grads)
+    for method in ("plain", "layer_stack"):
+        loss, grads = out[method]
+        want = models.convert(out["reversible"][1], method)
+        np.testing.assert_allclose(loss, out["reversible"][0], rtol=1e-6)
+        assert_trees_close(grads, want, 1e-5, f"{model} {method} gradient")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_hand_written_backward_equals_autodiff(dtype):
+    """The overhead baseline itself, elementwise per leaf."""
+    with jax.enable_x64(dtype == "float64"):
+        sizes = overhead.Sizes(width=8, batch=4, depth=3)
+        params, x = overhead.make_inputs(sizes, sizes.depth, dtype)
+        want = jax.grad(overhead.loss_of("standard"), (0, 1))(params, x)
+        for method in overhead.METHODS:
+            got = jax.jit(overhead.grad_of(method))(params, x)
+            assert_trees_close(got, want, tolerance(dtype), method)
+
+
+# ----------------------------------------------------------------- slow tests
+
+
+@pytest.mark.slow
+def test_memory_tiny(tmp_path):
+    mlp = tiny("memory", tmp_path)["models"]["mlp"]
+    by = {(r["method"], r["depth"]): r for r in mlp["rows"]}
+    depths = mlp["depths"]
+    top = depths[-1]
+    rev = [by["reversible", d]["temp_bytes"] for d in depths]
+    std = [by["standard", d]["temp_bytes"] for d in depths]
+    # The plot's claims: reversible flat, standard linear, checkpoint between.
+    assert max(rev) <= 1.10 * min(rev), rev
+    assert std[-1] >= 10 * rev[-1] and std[-1] / std[0] >= 0.5 * top / depths[0]
+    assert rev[-1] < by["checkpoint", top]["temp_bytes"] < std[-1]
+    assert by["checkpoint", top]["remat_calls_at_trace"] > 0
+    assert by["reversible", top]["flops_ratio"] <= 1.34  # RevNet's 4/3
+    for key in ("temp_bytes", "flops"):  # generic @invertible = the sequence
+        assert by["generic", top][key] <= 1.05 * by["reversible", top][key]
+    for row in mlp["rows"]:
+        assert row["best_plain"] in models.PLAIN_METHODS and row["median_s"] > 0
+        lo, hi = row["time_vs_best_plain_min"], row["time_vs_best_plain_max"]
+        assert lo <= row["time_vs_best_plain"] <= hi
+        assert row["min_s"] <= row["median_s"] <= row["max_s"]
+    assert "flops_ratio" not in by["plain", top]  # unrolled: not comparable
+    fits = mlp["budget"]
+    assert fits["reversible"]["largest_depth"] > fits["standard"]["largest_depth"]
+    assert os.path.getsize(tmp_path / "memory.png") > 10_000
+
+
+@pytest.mark.slow
+def test_speed_tiny(tmp_path):
+    for row in tiny("speed", tmp_path)["rows"]:
+        assert set(row["methods"]) == {"plain", "layer_stack", "reversible"}
+        assert row["methods"][row["best_plain"]]["time_vs_best_plain"] == 1.0
+        for stats in row["methods"].values():
+            assert stats["median_s"] > 0 and stats["temp_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_numerics_tiny(tmp_path):
+    res = tiny("numerics", tmp_path)
+    rows = res["rows"]
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "float64"}
+    f64 = [r for r in rows if r["dtype"] == "float64" and r["coupling"] == "additive"]
+    assert max(r["reconstruction_rel_error"] for r in f64) < 1e-10
+    f32 = [r for r in rows if r["dtype"] == "float32" and r["coupling"] == "additive"]
+    assert max(r["grad_rel_error_reversible"] for r in f32) < 1e-4
+    assert res["limits"]["additive"]["float64"]["all_measured_depths_ok"]
+    for row in rows:
+        for k, a in row["anchored"].items():
+            # One reading per anchor, equal to the independently measured error.
+            assert len(a["drift_readings"]) == -(-row["depth"] // int(k))
+            np.testing.assert_allclose(
+                a["drift_readings"], a["true_drift"], rtol=0.1, atol=1e-12
+            )
+    deep = [r for r in f32 if r["depth"] == 16][0]
+    assert deep["temp_vs_standard"] < deep["anchored"]["4"]["temp_vs_standard"] < 1
+
+
+@pytest.mark.slow
+def test_loops_tiny(tmp_path):
+    res = tiny("loops", tmp_path)
+    temp = {(r["method"], r["steps"]): r["temp_bytes"] for r in res["sweep"]}
+    lo, hi = 8, 64
+    assert temp["revnet.while_loop", hi] <= 1.10 * temp["revnet.while_loop", lo]
+    assert temp["lax.scan", hi] > 4 * temp["lax.scan", lo]
+    evals = {
+        (r["body"], r["method"], r["sweep"], r["max_steps"]): r["body_evaluations"]
+        for r in res["comparison"]
+    }
+    # Inverting costs the steps taken, whatever max_steps; the scan runs them all.
+    fixed = res["fixed_steps"]
+    assert evals["invertible", "revnet", "max_steps", 256] == 2 * fixed
+    assert evals["invertible", "checkpointed lax.scan", "max_steps", 256] == 2 * 256
+
+
+@pytest.mark.slow
+def test_overhead_tiny(tmp_path):
+    res = tiny("overhead", tmp_path)
+    assert res["gradient_check"]["passed"] is True
+    # Fused backward: the same compiled cost as the hand-written custom_vjp.
+    assert res["compiled"]["ratio"]["flops"] <= 1.03, res["compiled"]
+    assert res["compiled"]["ratio"]["temp_bytes"] <= 1.05, res["compiled"]
+    for method in overhead.METHODS:
+        assert 1.1 <= res["compiled"]["flops_over_standard"][method] <= 1.45
+        assert res["timings"][method]["first_call_s"]["median_s"] > 0
+    assert res["eager_cache"]["jaxpr_prints_per_warm_eager_call"] == 0
+    if res["eager_cache"]["analysis_count_available"]:
+        assert res["eager_cache"]["analyses_per_warm_eager_call"] == 0
+    for ratios in res["depth_scaling"]["deep_over_shallow"].values():
+        assert ratios["temp_bytes"] <= 1.05
+
+
+@pytest.mark.slow
+def test_decisions_tiny(tmp_path):
+    for row in tiny("decisions", tmp_path)["rows"]:
+        assert row["error_store"] <= 1e-5, row
+        assert row["temp_store"] >= row["temp_recompute"], row
+
+
+@pytest.mark.slow
+def test_sharding_tiny(tmp_path):
+    rows = tiny("sharding", tmp_path)["rows"]
+    temp = {(r["method"], r["mode"], r["depth"]): r["temp_bytes"] for r in rows}
+    assert temp["reversible", "auto", 4] == temp["reversible", "auto", 8], temp
+
+
+@pytest.mark.slow
+def test_front_doors_tiny(tmp_path):
+    doors = {d["door"]: d for d in tiny("front_doors", tmp_path)["doors"]}
+    assert sorted(doors) == ["equinox", "haiku", "nnx"]
+    for name, door in doors.items():
+        by = {(r["depth"], r["method"]): r for r in door["rows"]}
+        assert sorted({m for _, m in by}) == ["remat", "reversible", "standard"]
+        (small, large) = sorted({d for d, _ in by})
+        rev = {d: by[d, "reversible"]["temp_bytes"] for d in (small, large)}
+        # Flat in depth (the stacked parameters' own slices aside), below the
+        # standard twin's, and about one forward pass more, like remat.
+        assert rev[large] <= 1.1 * rev[small], (name, rev)
+        assert rev[large] < by[large, "standard"]["temp_bytes"], name
+        flops = by[large, "reversible"]["flops"] / by[large, "remat"]["flops"]
+        assert 0.9 < flops < 1.5, (name, flops)
