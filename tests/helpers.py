@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,20 +17,37 @@ from revnet._engine import jaxpr as jx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Relative tolerances, measured against the largest value of each compared tree,
-# keyed by dtype name; look them up with ``tolerance(dtype)``.
-RTOL = {"float32": 1e-5, "float64": 1e-10}
+# The one table of relative tolerances: by the kind of comparison, then by
+# dtype name (the fuzzer's by program family). Look them up with ``tolerance``.
+RTOL = {
+    # One function against plain autodiff, measured against the largest value
+    # of each compared tree.
+    "autodiff": {"float32": 1e-5, "float64": 1e-10},
+    # Gradients carried back through tens of reconstructed steps (loop modes,
+    # anchors, stacks): each inverted step adds float32 rounding to the carry
+    # it rebuilds, so float32 gets twice the single-function tolerance.
+    "loops": {"float32": 2e-5, "float64": 1e-10},
+    # Sharded against single-device runs, elementwise and absolute: the
+    # collectives sum in another order.
+    "sharded": {"float32": 2e-5, "float64": 1e-12},
+    # The decision cases' stacks at exact ties, elementwise per leaf (a flipped
+    # decision is wrong by 5e-3 and more).
+    "decision_cases": {"float32": 1e-3, "float64": 1e-8},
+    # The peers' ported tests: oryx's and Equinox's (their own margins), and
+    # JAX's invertible_ad prototype's.
+    "ported": {"float32": 2e-5, "float64": 1e-11},
+    "jax_invertible_ad": {"float32": 2e-6, "float64": 1e-12},
+    # Random programs, by family (tests/fuzz/families.py).
+    "fuzz": {"f32": 1e-4, "f32x64": 1e-4, "f64": 1e-9, "f16": 2e-2, "bf16": 2e-2},
+}
 
-# The loop-mode and anchor tests compare gradients carried back through tens of
-# reconstructed steps: each inverted step adds float32 rounding to the carry it
-# rebuilds, so float32 gets twice the single-function tolerance there.
-LOOP_RTOL = {**RTOL, "float32": 2e-5}
 
-
-def tolerance(dtype, *, loops: bool = False) -> float:
+def tolerance(dtype, kind: str = "autodiff", *, loops: bool = False) -> float:
     """The tolerance of ``dtype`` (a name, a scalar type such as ``jnp.float32``
-    or a dtype object); ``loops=True`` for gradients through reversed loops."""
-    return (LOOP_RTOL if loops else RTOL)[jnp.dtype(dtype).name]
+    or a dtype object; for ``kind="fuzz"`` a family name) for comparisons of
+    ``kind``; ``loops=True`` is ``kind="loops"``."""
+    table = RTOL["loops" if loops else kind]
+    return table[dtype if dtype in table else jnp.dtype(dtype).name]
 
 
 def is_float(x) -> bool:
@@ -248,3 +266,13 @@ def primitives(fun, *args) -> set[str]:
         if e.primitive.name == jx.HI_CALL:
             names.add(f"{jx.HI_CALL}[{jx.hi_kind(e)}]")
     return names
+
+
+def load_example(name: str, module_name: str | None = None):
+    """The module ``examples/<name>.py``, loaded from its file (the examples
+    are standalone scripts, not a package)."""
+    path = os.path.join(ROOT, "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(module_name or name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

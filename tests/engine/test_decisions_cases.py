@@ -62,9 +62,8 @@ from jax import lax
 
 import revnet
 from tests.engine import decision_cases as dc
-from tests.helpers import runtime_checks, temp_bytes
+from tests.helpers import runtime_checks, temp_bytes, tolerance
 
-TOL = {"float64": 1e-8, "float32": 1e-3}
 # A recomputed decision that flips is wrong by far more than this (measured:
 # 5e-3 and above); a right gradient is within 1e-6.
 WRONG = 1e-4
@@ -121,7 +120,7 @@ def test_decisions_match_jax_grad_at_exact_ties(name, dtype):
     """Default options: every leaf within 1e-8 (float64) or 1e-3 (float32) of
     its largest entry."""
     errors = _errors(dc.DECISIONS[name], dtype)
-    assert max(errors) <= TOL[dtype], errors
+    assert max(errors) <= tolerance(dtype, "decision_cases"), errors
 
 
 # Where decisions="recompute" is wrong on these inputs, and in which dtype
@@ -151,7 +150,7 @@ def test_recomputed_decisions_flip_at_these_ties(name):
 @pytest.mark.parametrize("name, dtype", _cases(dc.KINKS, FAST_KINKS))
 def test_stored_kinks_match_jax_grad_at_exact_ties(name, dtype):
     errors = _errors(dc.KINKS[name], dtype, kinks="store")
-    assert max(errors) <= TOL[dtype], errors
+    assert max(errors) <= tolerance(dtype, "decision_cases"), errors
 
 
 @pytest.mark.parametrize("name", _tiered(dc.KINKS, FAST_KINKS[1:]))
@@ -177,7 +176,7 @@ def test_a_nested_revnet_scan_with_a_decision(dtype):
     with jax.enable_x64(dtype == "float64"):
         want = dc.grads(case, None, jnp.dtype(dtype))
         got = dc.grads(case, revnet.invertible, jnp.dtype(dtype), scan=revnet.scan)
-    assert max(dc.leaf_errors(got, want)) <= TOL[dtype]
+    assert max(dc.leaf_errors(got, want)) <= tolerance(dtype, "decision_cases")
 
 
 # -- continuous selects are not stored ----------------------------------------- #
@@ -251,7 +250,7 @@ def test_continuous_activations_match_jax_grad_without_ties(name):
         want = jax.jit(jax.grad(_activation_loss(act), (0, 1, 2)))(*args)
         step = jax.grad(_activation_loss(act, revnet.invertible), (0, 1, 2))
         got = jax.jit(step)(*args)
-    assert max(dc.leaf_errors(got, want)) <= TOL["float64"]
+    assert max(dc.leaf_errors(got, want)) <= tolerance("float64", "decision_cases")
 
 
 # -- a leapfrog with a learned softplus potential ------------------------------ #
@@ -315,4 +314,6 @@ def test_leapfrog_gradients_equal_lax_scan():
             for scan in (lax.scan, revnet.scan)
         ]
     errors = dc.leaf_errors(grads[1], grads[0])
-    assert len(errors) == 4 and max(errors) <= TOL["float64"], errors
+    assert len(errors) == 4 and max(errors) <= tolerance("float64", "decision_cases"), (
+        errors
+    )

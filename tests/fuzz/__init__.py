@@ -71,7 +71,7 @@ from tests.fuzz.constructs import (
     TIED,
     Construct,
 )
-from tests.fuzz.families import ALL, FAMILIES, FULL, HALF, RTOL
+from tests.fuzz.families import ALL, FAMILIES, FULL, HALF
 from tests.fuzz.programs import Op, Program, build, draw_program, materialise
 from tests.fuzz.report import Failure, Report, run, shrink
 
@@ -83,7 +83,6 @@ __all__ = [
     "FULL",
     "HALF",
     "MIN_FEATURED",
-    "RTOL",
     "TIED",
     "Construct",
     "Failure",

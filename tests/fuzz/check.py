@@ -13,9 +13,10 @@ import numpy as np
 import revnet
 from tests.fuzz.compare import Redraw, Wrong, compare, compare_to_reference
 from tests.fuzz.evaluate import accepted_then, first_line, guard, value_and_grad
-from tests.fuzz.families import EAGER_EVERY, FAMILIES, HALF, PROBES, RTOL
+from tests.fuzz.families import EAGER_EVERY, FAMILIES, HALF, PROBES
 from tests.fuzz.programs import Program, build, materialise, tied
 from tests.fuzz.static import check_static
+from tests.helpers import tolerance
 
 
 def check_program(prog: Program, invertible=revnet.invertible) -> tuple[str, str]:
@@ -85,7 +86,7 @@ def ill_conditioned(prog: Program) -> bool:
                 nudged = tuple(
                     y * (1 + jnp.asarray(e, y.dtype)) for y, e in zip(outs, signs)
                 )
-                tol = RTOL[prog.family] / 10
+                tol = tolerance(prog.family, "fuzz") / 10
                 compare(inv(nudged), rebuilt, tol, "sensitivity")
     except Wrong:
         return True
@@ -108,7 +109,7 @@ def _storing_kinks(invertible):
 
 
 def _check(prog: Program, invertible) -> tuple[str, str]:
-    rtol = RTOL[prog.family]
+    rtol = tolerance(prog.family, "fuzz")
     f_rev, holder = build(prog)
     f_plain, holder_plain = build(prog, plain=True)
     if tied(prog):
@@ -177,6 +178,6 @@ def _check_half_reference(prog, f, holder, ws, a, b, outs, grads, want_outs, wan
     up = functools.partial(jax.tree_util.tree_map, lambda x: x.astype(jnp.float32))
     (_, ref_outs), ref = value_and_grad(f, holder, up(ws), up(a), up(b))
     holder["ws"] = ws
-    tol = RTOL[prog.family]
+    tol = tolerance(prog.family, "fuzz")
     compare_to_reference(up(outs), up(want_outs), ref_outs, tol, "values vs float32")
     compare_to_reference(up(grads), up(want), ref, tol, "grads vs float32")

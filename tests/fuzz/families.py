@@ -13,7 +13,6 @@ HALF = ("f16", "bf16")
 FULL = ("f32", "f32x64", "f64")
 ALL = FULL + HALF
 FAMILY_WEIGHTS = {"f32": 3.0, "f32x64": 1.0, "f64": 3.0, "f16": 1.0, "bf16": 1.0}
-RTOL = {"f32": 1e-4, "f32x64": 1e-4, "f64": 1e-9, "f16": 2e-2, "bf16": 2e-2}
 # Every this-many-th program is also called eagerly, outside jax.grad.
 EAGER_EVERY = 4
 # Random perturbations of the outputs tried by ill_conditioned.

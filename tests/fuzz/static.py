@@ -17,8 +17,8 @@ from tests.fuzz.evaluate import (
     scalar_loss,
     value_and_grad,
 )
-from tests.fuzz.families import RTOL
 from tests.fuzz.programs import Program, build, materialise, tied
+from tests.helpers import tolerance
 
 # The module-level reversible function of the ``static_jit`` construct. Its body
 # runs the program under test, which reads its static hyper-parameter from the
@@ -64,7 +64,7 @@ def static_step(ws, a, b, s, token, rev):
 
 def check_static(prog: Program, invertible) -> tuple[str, str]:
     del invertible  # the module-level STATIC_INVERTIBLE is under test
-    rtol = RTOL[prog.family]
+    rtol = tolerance(prog.family, "fuzz")
     f, holder = build(prog)
     ws, a, b = materialise(prog)
     holder["ws"] = ws

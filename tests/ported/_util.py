@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
+from tests.helpers import tolerance
 
 # Relative tolerances for gradients rebuilt by inversion (DESIGN.md, "Tolerances").
-RTOL = {jnp.dtype("float32"): 2e-5, jnp.dtype("float64"): 1e-11}
 
 # The reason every log-det-Jacobian test is skipped with.
 ILDJ = "revnet computes inverses and inverse VJPs, not log-determinants"
@@ -68,7 +68,7 @@ def check_round_trip_and_grad(fun, *args, rtol=None):
     """``inverse(fun)(fun(x)) == x`` and ``grad(loss . invertible(fun)) ==
     grad(loss . fun)``, elementwise, for every positional argument."""
     rtol = (
-        RTOL[jnp.result_type(jax.tree_util.tree_leaves(args)[0])]
+        tolerance(jnp.result_type(jax.tree_util.tree_leaves(args)[0]), "ported")
         if rtol is None
         else rtol
     )

@@ -28,11 +28,11 @@ from jax import lax
 
 import revnet
 from revnet import NotInvertibleError
+from tests.helpers import tolerance
 
 from ._util import assert_tree_allclose, dtypes
 
 DTYPES = pytest.mark.parametrize("dtype,ctx", dtypes(), ids=["f32", "f64"])
-RTOL = {"float32": 2e-6, "float64": 1e-12}
 
 
 @pytest.mark.skip(
@@ -79,7 +79,7 @@ def test_invertible_basic_single_use(dtype, ctx):
         jaxpr = str(jax.make_jaxpr(lambda p, ct: jax.vjp(finv, p)[1](ct))(x, x))
         assert "div" in jaxpr
         assert "log" in jaxpr
-        rtol = RTOL[dtype]
+        rtol = tolerance(dtype, "jax_invertible_ad")
         assert_tree_allclose(
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(finv(x))))(x),
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x))))(x),
@@ -168,7 +168,7 @@ def test_invertible_blocks(dtype, ctx):
     g = chain(rev_block)
     with ctx():
         x = jnp.asarray([1.0, -0.3, 0.7], dtype)
-        rtol = RTOL[dtype]
+        rtol = tolerance(dtype, "jax_invertible_ad")
         want = jax.value_and_grad(partial(_reduce, chain(plain)), argnums=(0, 1))(
             x, x + 2
         )
@@ -233,7 +233,7 @@ def test_invertible_partial_diff(dtype, ctx):
     finv = revnet.invertible(f)
     with ctx():
         o = jnp.linspace(0.1, 0.5, 5, dtype=dtype)
-        rtol = RTOL[dtype]
+        rtol = tolerance(dtype, "jax_invertible_ad")
         assert_tree_allclose(
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(finv(x, o)[0])))(o),
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x, o)[0])))(o),
@@ -258,7 +258,7 @@ def test_invertible_pytree(dtype, ctx):
     finv = revnet.invertible(f)
     with ctx():
         o = jnp.linspace(0.1, 0.5, 5, dtype=dtype)
-        rtol = RTOL[dtype]
+        rtol = tolerance(dtype, "jax_invertible_ad")
         assert_tree_allclose(
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(finv((x, x), x)[2])))(o),
             jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f((x, x), x)[2])))(o),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pickle
@@ -13,22 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_example
 
 EXAMPLES = os.path.join(ROOT, "examples")
 SCRIPTS = ("digits", "while_loop")
 
 
-def _load_state_module():
-    spec = importlib.util.spec_from_file_location(
-        "examples_state", os.path.join(EXAMPLES, "_state.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-state = _load_state_module()
+state = load_example("_state", "examples_state")
 
 
 def run_example(script: str, *flags: str, env: dict | None = None) -> str:

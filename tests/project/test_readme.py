@@ -48,7 +48,7 @@ from tests.helpers import (
 
 README = pathlib.Path(ROOT) / "README.md"
 TEXT = README.read_text()
-RTOL = tolerance("float32")
+F32 = tolerance("float32")
 
 
 def _blocks(lang: str) -> list[tuple[int, str, str]]:
@@ -94,27 +94,27 @@ def _check_quick_start(ns, out):
     want = jax.grad(
         lambda a, b: sum(jnp.sum(y**2) for y in plain(a, b)), argnums=(0, 1)
     )(ns["x"], ns["x"])
-    assert_trees_close(ns["grads"], want, RTOL, "grads")
-    assert_trees_close((ns["x1"], ns["x2"]), (ns["x"], ns["x"]), RTOL, "inverse")
+    assert_trees_close(ns["grads"], want, F32, "grads")
+    assert_trees_close((ns["x1"], ns["x2"]), (ns["x"], ns["x"]), F32, "inverse")
 
 
 def _check_custom_ivjp(ns, out):
     plain = ns["f"].fun  # the undecorated function: plain autodiff
     want = jax.grad(lambda x: jnp.sum(plain(x) ** 2))(ns["x"])
-    assert_trees_close(ns["grad"], want, RTOL, "grad")
-    assert_trees_close(ns["x_back"], ns["x"], RTOL, "inverse")
+    assert_trees_close(ns["grad"], want, F32, "grad")
+    assert_trees_close(ns["x_back"], ns["x"], F32, "inverse")
 
 
 def _check_runtime_checks(ns, out):
     first, *rest = out.splitlines()
     want = jax.grad(lambda w, x: jnp.sum(jnp.sinh(x * w) ** 2))(0.5, ns["x"])
-    assert_trees_close(jnp.float32(float(first)), want, RTOL, "printed gradient")
+    assert_trees_close(jnp.float32(float(first)), want, F32, "printed gradient")
     assert "non-finite value from finite values" in "\n".join(rest), out
 
 
 def _check_own_block(ns, out):
     twin = jax.grad(lambda p: ns["loss"](p, reversible=False))(ns["params"])
-    assert_trees_close(ns["grads"], twin, RTOL, "grads")
+    assert_trees_close(ns["grads"], twin, F32, "grads")
     leaves = jax.tree.leaves(ns["grads"])
     assert len(leaves) == 6, "MLP (2 layers) and Linear: weights and biases"
     assert all(float(abs(g).max()) > 0 for g in leaves), "a zero gradient"
@@ -134,7 +134,7 @@ def _check_compute_dtype(ns, out):
 
 
 def _check_ready_made(ns, out):
-    assert_trees_close(ns["x_back"], ns["x"], RTOL, "inverse")
+    assert_trees_close(ns["x_back"], ns["x"], F32, "inverse")
 
 
 def _check_loops(ns, out):
@@ -178,7 +178,7 @@ def _check_nnx(ns, out):
     )
     optimizer = nnx.Optimizer(twin, ns["optax"].adam(1e-3), wrt=nnx.Param)
     want = ns["train_step"](twin, optimizer, ns["x"])
-    assert_trees_close(ns["loss"], want, RTOL, "loss")
+    assert_trees_close(ns["loss"], want, F32, "loss")
     assert float(ns["loss"]) > 0
 
 
@@ -193,7 +193,7 @@ def _check_eqx(ns, out):
     )
     opt_state = ns["optimiser"].init(eqx.filter(twin, eqx.is_inexact_array))
     *_, want = ns["step"](twin, state, opt_state, ns["x"], jax.random.key(2))
-    assert_trees_close(ns["value"], want, RTOL, "loss")
+    assert_trees_close(ns["value"], want, F32, "loss")
     assert float(ns["value"]) > 0
 
 

@@ -35,6 +35,7 @@ _PRELUDE = textwrap.dedent(
     from jax.sharding import PartitionSpec as P
 
     import revnet
+    from tests.helpers import tolerance
 
     assert jax.device_count() == 8, jax.device_count()
     EXPLICIT = jax.make_mesh((4, 2), ("data", "model"))
@@ -42,7 +43,6 @@ _PRELUDE = textwrap.dedent(
     AUTO = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     assert AUTO.axis_types == (AxisType.Auto,) * 2
     RING = [(i, (i + 1) % 4) for i in range(4)]
-    TOL = {"float32": 2e-5, "float64": 1e-12}
 
 
     def leaves_type(tree):
@@ -68,7 +68,7 @@ _PRELUDE = textwrap.dedent(
         want_grad = jax.jit(grad, static_argnums=2) if jit_reference else grad
         want, y = want_grad(x, w, False)
         got, y_rev = grad(x, w, True)
-        tol = TOL[dtype]
+        tol = tolerance(dtype, "sharded")
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             scale = max(1.0, float(jnp.max(jnp.abs(b))))
             err = float(jnp.max(jnp.abs(a - b)))
@@ -290,7 +290,7 @@ def test_invertible_inside_a_shard_map_body():
                 want = jax.grad(loss, (0, 1))(x, w, False)
                 got = jax.grad(loss, (0, 1))(x, w, True)
                 for a, b in zip(got, want):
-                    assert float(jnp.max(jnp.abs(a - b))) <= TOL[dtype]
+                    assert float(jnp.max(jnp.abs(a - b))) <= tolerance(dtype, "sharded")
                 assert leaves_type(got) == leaves_type(want)
         """
     )

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import doctest
-import importlib.util
-import os
 import pickle
 import re
 
@@ -26,7 +24,7 @@ optax = pytest.importorskip("optax")
 import revnet  # noqa: E402
 import revnet.eqx  # noqa: E402
 from revnet.eqx import coupling, sequence  # noqa: E402
-from tests.helpers import ROOT, assert_trees_close, tolerance  # noqa: E402
+from tests.helpers import assert_trees_close, load_example, tolerance  # noqa: E402
 
 F64 = pytest.param(jnp.float64, id="f64", marks=pytest.mark.slow)
 DTYPES = [pytest.param(jnp.float32, id="f32"), F64]
@@ -297,17 +295,9 @@ def test_bad_input_is_named_in_one_line(build, error, match):
     assert re.search(match, message), message
 
 
-def _example():
-    path = os.path.join(ROOT, "examples", "digits_eqx.py")
-    spec = importlib.util.spec_from_file_location("digits_eqx", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_example_smoke_run():
-    results = _example().main(["--smoke"])
+    results = load_example("digits_eqx").main(["--smoke"])
     assert len(results["history"]) == 3
     assert results["temp_bytes"]["reversible"] < results["temp_bytes"]["standard"]
 
@@ -316,7 +306,7 @@ def test_example_smoke_run():
 def test_digits_training_matches_the_twin_for_50_steps():
     """A user's Equinox block with BatchNorm and dropout in its residual
     functions trains with optax; the loss equals the twin's at every step."""
-    history = _example().main(["--steps", "50"])["history"]
+    history = load_example("digits_eqx").main(["--steps", "50"])["history"]
     assert len(history) == 50
     gaps = [h["gap"] for h in history]
     print(f"largest loss gap over 50 steps: {max(gaps):.1e}")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, assert_trees_close, cast_floats, tolerance
+from tests.helpers import ROOT, assert_trees_close, cast_floats, load_example, tolerance
 
 pytest.importorskip("flax", reason="revnet.nnx needs flax: pip install 'revnet[nnx]'")
 optax = pytest.importorskip("optax")
@@ -378,17 +378,9 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-def _example():
-    path = os.path.join(ROOT, "examples", "digits_nnx.py")
-    spec = importlib.util.spec_from_file_location("digits_nnx", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_digits_training_loss_matches_the_twin_every_step():
-    losses = _example().train(50)
+    losses = load_example("digits_nnx").train(50)
     rev, std = (np.asarray(losses[t]) for t in ("reversible", "standard"))
     assert len(rev) == 50
     np.testing.assert_array_less(np.abs(rev - std), 1e-4)
