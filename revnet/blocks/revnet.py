@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
 from revnet._checks import check_bool, check_float_dtype, check_int, check_mapping, fail
+from revnet._layers.checks import check_anchors, check_input
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence

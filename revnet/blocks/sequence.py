@@ -8,7 +8,7 @@ equation by equation: plain ``jnp`` code and ordinary Haiku modules
 The block's ``init``/``apply`` are lifted out of Haiku (``_lift.py``): one
 independently initialised copy of its parameters and state per layer, stacked
 on a leading axis as ``hk.layer_stack`` does. The framework-free stack
-(``revnet/_stack.py``, shared with the other front doors) then runs the layers
+(``revnet/_layers/stack.py``, shared with the other front doors) then runs the layers
 in a ``lax.scan`` over that axis inside ONE :func:`revnet.invertible` function,
 which closes over the parameters, the state and one RNG key per layer. The core saves
 only the stack's outputs and builds one reverse scan for the backward pass that
@@ -31,16 +31,16 @@ import jax
 import numpy as np
 
 import revnet
-from revnet._block_checks import (
+from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.checks import (
     check_blocks,
     check_input,
     check_stack_options,
     stack_options,
 )
-from revnet._checks import check_float_dtype, check_sharding
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name
 
@@ -205,7 +205,7 @@ class ReversibleSequence(hk.Module):
 
     def _layers(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """The layer function(s) and per-layer parameters, state and keys of
-        :func:`revnet._stack.run_stack`, fetched (or created, at init) here."""
+        :func:`revnet._layers.stack.run_stack`, fetched (or created, at init) here."""
         module = self.module_name
         check_input(module, x, min_rank=1, expected="[batch, ...]")
         _check_static(module, (args, kwargs))

@@ -15,8 +15,8 @@ import haiku as hk
 import jax
 
 import revnet
-from revnet._block_checks import check_anchors, check_transformer, check_width
 from revnet._checks import check_bool, check_float_dtype, check_int
+from revnet._layers.checks import check_anchors, check_transformer, check_width
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
 from revnet.blocks.sequence import ReversibleSequence

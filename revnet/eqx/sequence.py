@@ -5,7 +5,7 @@ As in Equinox's own recipe, ``num_layers`` copies of a block are built with
 and split with ``eqx.partition`` into arrays and the rest. Each layer is the
 pure function ``(params_i, state_i, key_i, h) -> (y, new_state_i)`` that
 ``eqx.combine``s its slice back into the block and applies it, vmapped over
-the batch; revnet's framework-free stack (``revnet/_stack.py``) runs the layers
+the batch; revnet's framework-free stack (``revnet/_layers/stack.py``) runs the layers
 in one scan inside ONE :func:`revnet.invertible` function, whose backward pass
 rebuilds each layer's input from its output instead of storing it. New
 ``eqx.nn.State`` (BatchNorm statistics) comes from the forward pass only; one
@@ -26,16 +26,16 @@ import equinox as eqx
 import jax
 
 import revnet
-from revnet._block_checks import (
+from revnet._checks import check_float_dtype, check_sharding, fail
+from revnet._layers.checks import (
     check_blocks,
     check_input,
     check_stack_options,
     stack_options,
 )
-from revnet._checks import check_float_dtype, check_sharding, fail
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.eqx._call import call, holds_state, missing_state
 
 _NAME = "ReversibleSequence"

@@ -6,7 +6,7 @@ variable (parameters, BatchNorm statistics, the RNG streams that dropout
 draws from) gets a leading layer axis. A call splits the stacked module into
 ``(graphdef, params, state)``, lifts one layer into a pure function (see
 ``_lift.py``) and hands both to the framework-free stack
-(:func:`revnet._stack.run_stack`), which runs them in one scan inside one
+(:func:`revnet._layers.stack.run_stack`), which runs them in one scan inside one
 :func:`revnet.invertible` function. The new state (statistics, advanced RNG
 counters) comes out of the forward pass and is written back into the module
 once.
@@ -21,16 +21,16 @@ import jax
 from flax import nnx
 
 import revnet
-from revnet._block_checks import (
+from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.checks import (
     check_blocks,
     check_input,
     check_stack_options,
     stack_options,
 )
-from revnet._checks import check_float_dtype, check_sharding
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.nnx import _lift
 
 _NAME = "ReversibleSequence"
@@ -210,7 +210,7 @@ class ReversibleSequence(nnx.Module):
 
     def _per_layer(self) -> tuple[Any, Any]:
         """The layer function(s) and per-layer ``(params, state, None)`` of
-        :func:`revnet._stack.run_stack`."""
+        :func:`revnet._layers.stack.run_stack`."""
         spec = self.activation_sharding
         if self._stacked:
             graphdef, params, state = _lift.split(_NAME, self.layers)

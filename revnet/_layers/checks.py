@@ -89,7 +89,7 @@ def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
 
     Returns:
       ``{"anchor_every": ..., "drift": ...}``, the keyword arguments of
-      :func:`revnet._stack.run_stack` (``anchor_every`` as a Python int or
+      :func:`revnet._layers.stack.run_stack` (``anchor_every`` as a Python int or
       None).
 
     Raises:
@@ -106,7 +106,7 @@ def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
 
 
 # The options every front door's ``ReversibleSequence`` takes and stores under
-# these names, the keyword arguments of :func:`revnet._stack.run_stack`.
+# these names, the keyword arguments of :func:`revnet._layers.stack.run_stack`.
 STACK_OPTIONS = ("reversible", "anchor_every", "drift", "decisions", "kinks")
 
 

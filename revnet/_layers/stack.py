@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 import revnet
-from revnet._couplings import invert
+from revnet._layers.couplings import invert
 from revnet.drift import DriftMonitor
 
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
