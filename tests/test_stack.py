@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from revnet._layers import couplings, stack
+from revnet._layers.options import StackOptions
 from tests.helpers import assert_trees_close, tolerance
 
 
@@ -45,13 +46,8 @@ def test_gradients_and_state_equal_the_plain_scan(anchor_every):
     x = jax.random.normal(jax.random.key(1), (3, 8))
 
     def loss(w, x, reversible):
-        y, state = stack.run_stack(
-            _layer,
-            (w, *per_layer[1:]),
-            x,
-            reversible=reversible,
-            anchor_every=anchor_every,
-        )
+        options = StackOptions(reversible=reversible, anchor_every=anchor_every)
+        y, state = stack.run_stack(_layer, (w, *per_layer[1:]), x, options)
         return jnp.sum(jnp.sin(y)), state
 
     (rev, rev_state), rev_grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(
@@ -78,7 +74,7 @@ def test_a_list_of_layers_runs_unrolled():
     assert_trees_close(y, stack.run_stack(_layer, stacked, x)[0], 1e-6, "y")
     assert [int(s) for s in states] == [1, 1]
     with pytest.raises(ValueError, match="a list of layers is unrolled"):
-        stack.run_stack([_layer, _layer], triples, x, anchor_every=1)
+        stack.run_stack([_layer, _layer], triples, x, StackOptions(anchor_every=1))
     with pytest.raises(ValueError, match="one .params, state, key. triple per"):
         stack.run_stack([_layer, _layer], triples[:1], x)
 
