@@ -276,3 +276,21 @@ def load_example(name: str, module_name: str | None = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def calls_of(*fns):
+    """The calls of the Python functions ``fns`` made inside the block (the
+    caller's name for each), seen by a profiler (``sys.setprofile``): nothing
+    is patched."""
+    codes, calls, before = {fn.__code__ for fn in fns}, [], sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            calls.append(frame.f_back.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(before)

@@ -32,8 +32,8 @@ _REVNET_DIR = os.path.dirname(revnet.__file__) + os.sep
 _FRONT_DOORS = tuple(
     os.path.join(_REVNET_DIR, name) + os.sep for name in ("blocks", "nnx", "eqx")
 ) + tuple(
-    os.path.join(_REVNET_DIR, name)
-    for name in ("_stack.py", "_couplings.py", "_block_checks.py")
+    os.path.join(_REVNET_DIR, "_layers", name)
+    for name in ("stack.py", "couplings.py", "checks.py")
 )
 
 

@@ -86,6 +86,15 @@ class ComputeDtype:
         self.dtype = dtype
         self.used = False
 
+    @classmethod
+    def checked(cls, module: str, compute_dtype: Any) -> ComputeDtype:
+        """The compute dtype a sequence was given, checked.
+
+        Raises:
+          TypeError: If ``compute_dtype`` is not None or a floating point dtype.
+        """
+        return cls(check_float_dtype(module, "compute_dtype", compute_dtype))
+
     def scoped(self, block_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``block_fn`` run in a scope whose couplings compute in the dtype."""
         if self.dtype is None:

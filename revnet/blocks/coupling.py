@@ -2,7 +2,7 @@
 
 Both couplings split the last axis into two halves and are plain ``jnp`` code
 around their residual functions (the arithmetic every front door shares, in
-``revnet/_couplings.py``). The residual functions are ordinary Haiku code,
+``revnet/_layers/couplings.py``). The residual functions are ordinary Haiku code,
 lifted into pure functions of explicit parameters, state and RNG keys
 (see ``_lift.py``), so that the couplings' :meth:`inverse` methods can hand the
 very same forward computation to :func:`revnet.inverse`. Inside a
@@ -19,17 +19,17 @@ from typing import Any
 import haiku as hk
 import jax
 
-from revnet import _couplings
-from revnet._block_checks import check_splittable
 from revnet._checks import (
     check_bool,
     check_callable,
 )
+from revnet._layers import couplings
+from revnet._layers.checks import check_splittable
 from revnet._layers.precision import coupling_compute_dtype
 from revnet.blocks._lift import Lifted
 from revnet.blocks._names import check_name
 
-_EXPECTED = _couplings.EXPECTED[1]
+_EXPECTED = couplings.EXPECTED[1]
 
 
 def rng_keys(num: int) -> tuple[jax.Array | None, ...]:
@@ -113,7 +113,7 @@ class AdditiveCoupling(hk.Module):
         f, g = self._f.apply, self._g.apply
 
         def additive_coupling(h):
-            return _couplings.additive(
+            return couplings.additive(
                 lambda u: f(pf, sf, kf, u),
                 lambda u: g(pg, sg, kg, u),
                 h,
@@ -143,7 +143,7 @@ class AdditiveCoupling(hk.Module):
           TypeError: If ``y`` is not floating point.
         """
         forward = self._forward(y)
-        return _couplings.invert(lambda h: forward(h)[0], y)
+        return couplings.invert(lambda h: forward(h)[0], y)
 
 
 class AffineCoupling(hk.Module):
@@ -228,7 +228,7 @@ class AffineCoupling(hk.Module):
         super().__init__(name=name)
         module = self.module_name
         check_callable(module, "net", net)
-        scale, scale_bound = _couplings.check_scale(module, scale, scale_bound)
+        scale, scale_bound = couplings.check_scale(module, scale, scale_bound)
         zero_init = check_bool(module, "zero_init", zero_init)
         compute_dtype = coupling_compute_dtype(module, compute_dtype)
         self._net = Lifted(net, self, "net", compute_dtype, zero_last=zero_init)
@@ -247,7 +247,7 @@ class AffineCoupling(hk.Module):
         net, kind, bound = self._net.apply, self.scale, self.scale_bound
 
         def affine_coupling(h):
-            return _couplings.affine(
+            return couplings.affine(
                 lambda u: net(params, state, key, u),
                 h,
                 scale_kind=kind,
@@ -293,4 +293,4 @@ class AffineCoupling(hk.Module):
           TypeError: If ``y`` is not floating point.
         """
         forward = self._forward(y)
-        return _couplings.invert(lambda h: forward(h)[0][0], y)
+        return couplings.invert(lambda h: forward(h)[0][0], y)

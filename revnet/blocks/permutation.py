@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import revnet
-from revnet._block_checks import check_input
 from revnet._checks import check_choice, check_int
+from revnet._layers.checks import check_input
 from revnet.blocks._names import check_name
 
 

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet._block_checks import check_anchors, check_input
 from revnet._checks import check_bool, check_float_dtype, check_int, check_mapping, fail
+from revnet._layers.checks import check_input
+from revnet._layers.options import StackOptions
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
-from revnet.blocks.sequence import ReversibleSequence
+from revnet.blocks.sequence import ReversibleSequence, Stage
 
 _BN = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
 
@@ -245,6 +246,8 @@ class RevNet(hk.Module):
         name: str | None = None,
         *,
         activation_sharding: Any = None,
+        decisions: str = "store",
+        kinks: str = "recompute",
     ):
         """Constructs the network.
 
@@ -268,14 +271,23 @@ class RevNet(hk.Module):
             :class:`ReversibleSequence`). Place the parameters with
             :func:`revnet.blocks.partition` and
             :data:`revnet.blocks.REVNET_RULES`.
+          decisions: ``"store"`` (default) or ``"recompute"``: what the
+            stages do with results of their units that jump, as in
+            :class:`ReversibleSequence` (RevNet's own units make none).
+          kinks: ``"recompute"`` (default) or ``"store"``: also store, per
+            unit, the branch of every ``relu`` and ``max`` on rebuilt values,
+            as in :class:`ReversibleSequence`.
 
         Raises:
           TypeError: If ``depth_config`` is neither a string nor a
             :class:`RevNetConfig` (or its fields have the wrong types),
-            ``num_classes`` is not an integer, ``reversible`` is not a bool, or
-            ``compute_dtype`` is not None or a floating point dtype.
-          ValueError: If ``depth_config`` is unknown or inconsistent, or
-            ``num_classes`` is not positive.
+            ``num_classes`` is not an integer, ``reversible`` is not a bool,
+            ``anchor_every`` not an integer, ``drift`` not a
+            ``revnet.DriftMonitor``, ``activation_sharding`` not a sharding,
+            or ``compute_dtype`` is not None or a floating point dtype.
+          ValueError: If ``depth_config`` is unknown or inconsistent,
+            ``num_classes`` or ``anchor_every`` is not positive, or
+            ``decisions`` or ``kinks`` is not one of its choices.
         """
         check_name(type(self), name)
         super().__init__(name=name or "revnet")
@@ -289,9 +301,16 @@ class RevNet(hk.Module):
             depth_config = CONFIGS[depth_config]
         config = _check_config(module, depth_config)
         num_classes = check_int(module, "num_classes", num_classes)
-        reversible = check_bool(module, "reversible", reversible)
+        options = StackOptions.checked(
+            module,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            decisions=decisions,
+            kinks=kinks,
+            activation_sharding=activation_sharding,
+        )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
-        anchors = check_anchors(module, anchor_every, drift)
         if len(config.channels) != len(config.units) + 1:
             raise ValueError(
                 f"{module}: channels needs one entry for the initial "
@@ -299,7 +318,7 @@ class RevNet(hk.Module):
             )
         self.config = config
         self.num_classes = num_classes
-        self.reversible = reversible
+        self.reversible = options.reversible
         expand = 4 if config.bottleneck else 1
         self._init_conv = hk.Conv2D(config.channels[0], 3, name="init_conv")
         self._transitions = []
@@ -327,16 +346,7 @@ class RevNet(hk.Module):
                 f = functools.partial(residual, is_training=is_training)
                 return AdditiveCoupling(f, f, compute_dtype=compute_dtype)(x)
 
-            self._stages.append(
-                ReversibleSequence(
-                    unit,
-                    units,
-                    reversible=reversible,
-                    name=f"stage_{i}",
-                    activation_sharding=activation_sharding,
-                    **anchors,
-                )
-            )
+            self._stages.append(Stage(unit, units, options, name=f"stage_{i}"))
             width = stage_width
         self._final_bn = hk.BatchNorm(**_BN, name="final_bn")
         self._logits = hk.Linear(num_classes, name="logits")

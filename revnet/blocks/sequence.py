@@ -8,7 +8,7 @@ equation by equation: plain ``jnp`` code and ordinary Haiku modules
 The block's ``init``/``apply`` are lifted out of Haiku (``_lift.py``): one
 independently initialised copy of its parameters and state per layer, stacked
 on a leading axis as ``hk.layer_stack`` does. The framework-free stack
-(``revnet/_stack.py``, shared with the other front doors) then runs the layers
+(``revnet/_layers/stack.py``, shared with the other front doors) then runs the layers
 in a ``lax.scan`` over that axis inside ONE :func:`revnet.invertible` function,
 which closes over the parameters, the state and one RNG key per layer. The core saves
 only the stack's outputs and builds one reverse scan for the backward pass that
@@ -31,16 +31,11 @@ import jax
 import numpy as np
 
 import revnet
-from revnet._block_checks import (
-    check_blocks,
-    check_input,
-    check_stack_options,
-    stack_options,
-)
-from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.checks import check_blocks, check_input
+from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.sharding import constrain
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name
 
@@ -65,7 +60,7 @@ def _with_args(apply: PureApply, args: tuple, kwargs: dict) -> PureApply:
     return layer
 
 
-class ReversibleSequence(hk.Module):
+class ReversibleSequence(OptionViews, hk.Module):
     """A stack of invertible blocks whose backward pass stores no activations.
 
     ``block_fn(x, *args, **kwargs) -> y`` builds and applies one shape-preserving
@@ -162,60 +157,27 @@ class ReversibleSequence(hk.Module):
         """
         check_name(type(self), name)
         super().__init__(name=name)
-        module = self.module_name
-        options = check_stack_options(
-            module,
+        options = StackOptions.checked(
+            self.module_name,
             reversible=reversible,
             anchor_every=anchor_every,
             drift=drift,
             decisions=decisions,
             kinks=kinks,
+            activation_sharding=activation_sharding,
         )
-        for option, value in options.items():
-            setattr(self, option, value)
-        self.compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
-        self._compute = ComputeDtype(self.compute_dtype)
-        self.activation_sharding = check_sharding(
-            module, "activation_sharding", activation_sharding
-        )
-        block_fns, self.num_layers, self._stacked = check_blocks(
-            module,
-            "block_fn",
-            block_fn,
-            num_layers,
-            anchored=anchor_every is not None or drift is not None,
-        )
-        if self._stacked:
-            self._lifted = (
-                Lifted(
-                    self._compute.scoped(block_fn),
-                    self,
-                    "layers",
-                    num_stacked=self.num_layers,
-                ),
-            )
-        else:
-            self._lifted = tuple(
-                Lifted(self._compute.scoped(fn), self, f"block_{i}")
-                for i, fn in enumerate(block_fns)
-            )
-        # The block functions as given (one entry for ``num_layers`` copies),
-        # for running the same blocks another way, such as a plain-Haiku loop.
-        self.block_fns = block_fns
+        _build(self, block_fn, num_layers, options, compute_dtype)
 
     def _layers(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """The layer function(s) and per-layer parameters, state and keys of
-        :func:`revnet._stack.run_stack`, fetched (or created, at init) here."""
+        :func:`revnet._layers.stack.run_stack`, fetched (or created, at init) here."""
         module = self.module_name
         check_input(module, x, min_rank=1, expected="[batch, ...]")
         _check_static(module, (args, kwargs))
         pairs = [fn.params_and_state(x, *args, **kwargs) for fn in self._lifted]
         key = hk.maybe_next_rng_key()
         keys = None if key is None else jax.random.split(key, self.num_layers)
-        layers = [
-            sharded_layer(_with_args(fn.apply, args, kwargs), self.activation_sharding)
-            for fn in self._lifted
-        ]
+        layers = [_with_args(fn.apply, args, kwargs) for fn in self._lifted]
         if self._stacked:
             ((params, state),) = pairs
             return layers[0], (params, state, keys)
@@ -230,11 +192,7 @@ class ReversibleSequence(hk.Module):
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._layers(x, args, kwargs)
         y, new_states = run_stack(
-            layer,
-            per_layer,
-            x,
-            **stack_options(self),
-            name=self.module_name,
+            layer, per_layer, x, self.options, name=self.module_name
         )
         self._compute.check_used(self.module_name)
         if self._stacked:
@@ -264,6 +222,61 @@ class ReversibleSequence(hk.Module):
         """
         y = constrain(y, self.activation_sharding)
         layer, per_layer = self._layers(y, args, kwargs)
-        x = invert_stack(layer, per_layer, y, name=self.module_name)
+        x = invert_stack(layer, per_layer, y, self.options, name=self.module_name)
         self._compute.check_used(self.module_name)
         return x
+
+
+class Stage(ReversibleSequence):
+    """A :class:`ReversibleSequence` built by a model from options the model
+    checked: ``RevNet``'s stages, ``ReversibleTransformer``'s layers.
+
+    Args:
+      block_fn: Function building and applying one block.
+      num_layers: Number of copies of ``block_fn``.
+      options: The model's options, checked once, by the model.
+      name: Name of the module.
+    """
+
+    def __init__(
+        self, block_fn: BlockFn, num_layers: int, options: StackOptions, name: str
+    ):
+        hk.Module.__init__(self, name=name)
+        _build(self, block_fn, num_layers, options, None)
+
+
+def _build(
+    seq: ReversibleSequence,
+    block_fn: BlockFn | Sequence[BlockFn],
+    num_layers: Any,
+    options: StackOptions,
+    compute_dtype: Any,
+) -> None:
+    """Sets up a sequence with its options: checks its blocks and compute
+    dtype, and lifts the blocks. A function, not a method: Haiku names the
+    modules a method creates after the method, and the lifted blocks belong
+    to the constructor."""
+    module = seq.module_name
+    seq.options = options
+    seq._compute = ComputeDtype.checked(module, compute_dtype)
+    seq.compute_dtype = seq._compute.dtype
+    block_fns, seq.num_layers, seq._stacked = check_blocks(
+        module, "block_fn", block_fn, num_layers, anchored=options.anchors
+    )
+    if seq._stacked:
+        seq._lifted = (
+            Lifted(
+                seq._compute.scoped(block_fn),
+                seq,
+                "layers",
+                num_stacked=seq.num_layers,
+            ),
+        )
+    else:
+        seq._lifted = tuple(
+            Lifted(seq._compute.scoped(fn), seq, f"block_{i}")
+            for i, fn in enumerate(block_fns)
+        )
+    # The block functions as given (one entry for ``num_layers`` copies),
+    # for running the same blocks another way, such as a plain-Haiku loop.
+    seq.block_fns = block_fns

@@ -15,11 +15,12 @@ import haiku as hk
 import jax
 
 import revnet
-from revnet._block_checks import check_anchors, check_transformer, check_width
-from revnet._checks import check_bool, check_float_dtype, check_int
+from revnet._checks import check_float_dtype, check_int
+from revnet._layers.checks import check_transformer, check_width
+from revnet._layers.options import StackOptions
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
-from revnet.blocks.sequence import ReversibleSequence
+from revnet.blocks.sequence import Stage
 
 
 def _dropout(h: jax.Array, rate: float, is_training: bool) -> jax.Array:
@@ -63,6 +64,8 @@ class ReversibleTransformer(hk.Module):
         name: str | None = None,
         *,
         activation_sharding: Any = None,
+        decisions: str = "store",
+        kinks: str = "recompute",
     ):
         """Constructs the encoder.
 
@@ -88,15 +91,24 @@ class ReversibleTransformer(hk.Module):
             ``P("data")`` (see :class:`ReversibleSequence`). Place the
             parameters with :func:`revnet.blocks.partition` and
             :data:`revnet.blocks.TRANSFORMER_RULES`.
+          decisions: ``"store"`` (default) or ``"recompute"``: what the layers
+            do with results that jump (comparisons, ``argmax``/``top_k``
+            routing), as in :class:`ReversibleSequence`.
+          kinks: ``"recompute"`` (default) or ``"store"``: also store, per
+            layer, the branch of every ``max``/``min``/``abs``/``relu`` on
+            rebuilt values, as in :class:`ReversibleSequence`.
 
         Raises:
           TypeError: If ``num_layers``, ``num_heads``, ``model_size`` or
             ``mlp_size`` is not an integer, ``dropout_rate`` not a number,
-            ``reversible`` not a bool, ``compute_dtype`` not None or a floating
-            point dtype, or ``activation_sharding`` not None or a sharding.
+            ``reversible`` not a bool, ``anchor_every`` not an integer,
+            ``drift`` not a ``revnet.DriftMonitor``, ``compute_dtype`` not
+            None or a floating point dtype, or ``activation_sharding`` not
+            None or a sharding.
           ValueError: If an integer argument is not positive, ``dropout_rate`` is
             not in ``[0, 1)``, ``model_size`` is odd or its halves are not
-            divisible by ``num_heads``.
+            divisible by ``num_heads``, or ``decisions`` or ``kinks`` is not
+            one of its choices.
         """
         check_name(type(self), name)
         super().__init__(name=name)
@@ -105,9 +117,16 @@ class ReversibleTransformer(hk.Module):
         model_size, num_heads, mlp_size, dropout_rate = check_transformer(
             module, model_size, num_heads, mlp_size, dropout_rate
         )
-        reversible = check_bool(module, "reversible", reversible)
+        options = StackOptions.checked(
+            module,
+            reversible=reversible,
+            anchor_every=anchor_every,
+            drift=drift,
+            decisions=decisions,
+            kinks=kinks,
+            activation_sharding=activation_sharding,
+        )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
-        anchors = check_anchors(module, anchor_every, drift)
         self.model_size = model_size
         half = model_size // 2
 
@@ -134,14 +153,7 @@ class ReversibleTransformer(hk.Module):
                 compute_dtype=compute_dtype,
             )(x)
 
-        self._layers = ReversibleSequence(
-            layer,
-            num_layers,
-            reversible=reversible,
-            name="layers",
-            activation_sharding=activation_sharding,
-            **anchors,
-        )
+        self._layers = Stage(layer, num_layers, options, name="layers")
 
     def _check(self, x: Any) -> None:
         check_width(self.module_name, x, 3, f"[batch, time, {self.model_size}]")

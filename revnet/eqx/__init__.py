@@ -8,7 +8,7 @@ or revnet's couplings and :class:`ReversibleTransformerBlock`).
 :class:`ReversibleSequence` stacks ``num_layers`` copies built with
 ``eqx.filter_vmap``, as in Equinox's scan-over-layers recipe (or a list of
 different blocks), and runs them on revnet's framework-free stack
-(``revnet/_stack.py``), the one under the Haiku and Flax NNX front doors too.
+(``revnet/_layers/stack.py``), the one under the Haiku and Flax NNX front doors too.
 Needs ``pip install 'revnet[equinox]'``.
 """
 

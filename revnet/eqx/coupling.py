@@ -1,7 +1,7 @@
 """Equinox couplings: the additive (RevNet) and affine (RealNVP) blocks.
 
 Each is an ``eqx.Module`` holding its residual functions (Equinox modules)
-around the coupling arithmetic all front doors share (``revnet/_couplings.py``).
+around the coupling arithmetic all front doors share (``revnet/_layers/couplings.py``).
 Like ``eqx.nn.Linear`` they act on ONE example, ``[..., 2 * half]``, split on
 its last axis; ``jax.vmap`` them, or stack them in a
 :class:`~revnet.eqx.ReversibleSequence`, which does. A residual function
@@ -16,8 +16,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from revnet import _couplings
 from revnet._checks import check_callable
+from revnet._layers import couplings
 from revnet._layers.precision import coupling_compute_dtype
 from revnet.eqx._call import call_in
 
@@ -84,7 +84,7 @@ class AdditiveCoupling(eqx.Module):
         name, dtype = "AdditiveCoupling", self.compute_dtype
 
         def forward(h):
-            return _couplings.additive(
+            return couplings.additive(
                 lambda u: call_in(dtype, name, "f", self.f, u, state, kf),
                 lambda u: call_in(dtype, name, "g", self.g, u, state, kg),
                 h,
@@ -128,7 +128,7 @@ class AdditiveCoupling(eqx.Module):
           revnet.NotInvertibleError: If ``f`` or ``g`` cannot be run as needed.
         """
         forward = self._forward(state, key)
-        return _couplings.invert(lambda h: forward(h)[0], y)
+        return couplings.invert(lambda h: forward(h)[0], y)
 
 
 class AffineCoupling(eqx.Module):
@@ -182,7 +182,7 @@ class AffineCoupling(eqx.Module):
         """
         name = "AffineCoupling"
         self.net = check_callable(name, "net", net)
-        self.scale, scale_bound = _couplings.check_scale(name, scale, scale_bound)
+        self.scale, scale_bound = couplings.check_scale(name, scale, scale_bound)
         self.scale_bound = scale_bound
         self.compute_dtype = coupling_compute_dtype(name, compute_dtype)
 
@@ -190,7 +190,7 @@ class AffineCoupling(eqx.Module):
         name, dtype = "AffineCoupling", self.compute_dtype
 
         def forward(h):
-            return _couplings.affine(
+            return couplings.affine(
                 lambda u: call_in(dtype, name, "net", self.net, u, state, key),
                 h,
                 scale_kind=self.scale,
@@ -258,4 +258,4 @@ class AffineCoupling(eqx.Module):
           ValueError: If the last axis of ``y`` is odd.
         """
         forward = self._forward(state, key)
-        return _couplings.invert(lambda h: forward(h)[0][0], y)
+        return couplings.invert(lambda h: forward(h)[0][0], y)

@@ -5,7 +5,7 @@ As in Equinox's own recipe, ``num_layers`` copies of a block are built with
 and split with ``eqx.partition`` into arrays and the rest. Each layer is the
 pure function ``(params_i, state_i, key_i, h) -> (y, new_state_i)`` that
 ``eqx.combine``s its slice back into the block and applies it, vmapped over
-the batch; revnet's framework-free stack (``revnet/_stack.py``) runs the layers
+the batch; revnet's framework-free stack (``revnet/_layers/stack.py``) runs the layers
 in one scan inside ONE :func:`revnet.invertible` function, whose backward pass
 rebuilds each layer's input from its output instead of storing it. New
 ``eqx.nn.State`` (BatchNorm statistics) comes from the forward pass only; one
@@ -26,16 +26,12 @@ import equinox as eqx
 import jax
 
 import revnet
-from revnet._block_checks import (
-    check_blocks,
-    check_input,
-    check_stack_options,
-    stack_options,
-)
-from revnet._checks import check_float_dtype, check_sharding, fail
+from revnet._checks import fail
+from revnet._layers.checks import check_blocks, check_input
+from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.sharding import constrain
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.eqx._call import call, holds_state, missing_state
 
 _NAME = "ReversibleSequence"
@@ -101,7 +97,7 @@ def _layer(static: Any, axis_name: Hashable | None):
     return layer
 
 
-class ReversibleSequence(eqx.Module):
+class ReversibleSequence(OptionViews, eqx.Module):
     """``num_layers`` copies of a block whose backward pass stores no activations.
 
     ``make_block(key)`` builds one shape-preserving block that acts on ONE
@@ -138,13 +134,8 @@ class ReversibleSequence(eqx.Module):
     blocks: Any
     num_layers: int = eqx.field(static=True)
     stacked: bool = eqx.field(static=True)
-    reversible: bool = eqx.field(static=True)
-    anchor_every: int | None = eqx.field(static=True)
-    drift: revnet.DriftMonitor | None = eqx.field(static=True)
+    options: StackOptions = eqx.field(static=True)
     axis_name: Hashable | None = eqx.field(static=True)
-    decisions: str = eqx.field(static=True)
-    kinks: str = eqx.field(static=True)
-    activation_sharding: Any = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True)
 
     def __init__(
@@ -226,21 +217,17 @@ class ReversibleSequence(eqx.Module):
                     f"instance of {type(maker).__name__}; pass a function, such "
                     f"as lambda key: {type(maker).__name__}(..., key=key)."
                 )
-        options = check_stack_options(
+        self.options = StackOptions.checked(
             _NAME,
             reversible=reversible,
             anchor_every=anchor_every,
             drift=drift,
             decisions=decisions,
             kinks=kinks,
+            activation_sharding=activation_sharding,
         )
-        for option, value in options.items():
-            setattr(self, option, value)
         self.axis_name = axis_name
-        self.activation_sharding = check_sharding(
-            _NAME, "activation_sharding", activation_sharding
-        )
-        compute = ComputeDtype(check_float_dtype(_NAME, "compute_dtype", compute_dtype))
+        compute = ComputeDtype.checked(_NAME, compute_dtype)
         self.compute_dtype = compute.dtype
         typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(
             key.dtype, jax.dtypes.prng_key
@@ -273,8 +260,7 @@ class ReversibleSequence(eqx.Module):
         for i, block in enumerate(blocks):
             params, static = eqx.partition(block, eqx.is_array)
             substate = None if state is None else state.substate(block)
-            layer = _layer(static, self.axis_name)
-            layers.append(sharded_layer(layer, self.activation_sharding))
+            layers.append(_layer(static, self.axis_name))
             layer_keys = keys if keys is None or self.stacked else keys[i]
             per_layer.append((params, substate, layer_keys))
         if self.stacked:
@@ -291,13 +277,8 @@ class ReversibleSequence(eqx.Module):
         """Applies the blocks to the batch ``x``; returns ``y``, or ``(y,
         state)`` when given ``state``."""
         layer, per_layer = self._per_layer(x, state, key, "__call__")
-        y, new_substates = run_stack(
-            layer,
-            per_layer,
-            constrain(x, self.activation_sharding),
-            **stack_options(self),
-            name=_NAME,
-        )
+        x = constrain(x, self.activation_sharding)
+        y, new_substates = run_stack(layer, per_layer, x, self.options, name=_NAME)
         if state is None:
             return y
         for sub in (new_substates,) if self.stacked else new_substates:
@@ -328,4 +309,4 @@ class ReversibleSequence(eqx.Module):
         """
         layer, per_layer = self._per_layer(y, state, key, "inverse")
         y = constrain(y, self.activation_sharding)
-        return invert_stack(layer, per_layer, y, name=_NAME)
+        return invert_stack(layer, per_layer, y, self.options, name=_NAME)

@@ -15,7 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from revnet._block_checks import check_transformer, check_width
+from revnet._layers.checks import check_transformer, check_width
 from revnet.eqx.coupling import AdditiveCoupling, _split
 
 

@@ -98,7 +98,7 @@ def pure(graphdef: nnx.GraphDef) -> Apply:
 
 
 def layer(apply: Apply) -> Callable[..., tuple[jax.Array, Any]]:
-    """``apply`` as a layer of :func:`revnet._stack.run_stack`.
+    """``apply`` as a layer of :func:`revnet._layers.stack.run_stack`.
 
     NNX modules draw their dropout keys from the RNG streams they hold, which
     are part of ``state``, so the stack's per-layer key slot is unused (None).

@@ -1,6 +1,6 @@
 """Coupling layers as NNX modules holding their residual submodules.
 
-The arithmetic is the framework-free one of :mod:`revnet._couplings`; the
+The arithmetic is the framework-free one of :mod:`revnet._layers.couplings`; the
 residual functions are the submodules themselves, called in place. Inside a
 :class:`~revnet.nnx.ReversibleSequence` the core inverts a coupling like any
 other code; on its own, a coupling differentiates like any NNX module, and
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from revnet import _couplings
 from revnet._checks import check_callable
+from revnet._layers import couplings
 from revnet._layers.precision import coupling_compute_dtype
 from revnet.nnx import _lift
 
@@ -33,7 +33,7 @@ def _inverse(where: str, module: nnx.Module, y: jax.Array) -> jax.Array:
         return apply(params, state, h)[0]
 
     forward.__name__ = where
-    return _couplings.invert(forward, y)
+    return couplings.invert(forward, y)
 
 
 class AdditiveCoupling(nnx.Module):
@@ -81,7 +81,7 @@ class AdditiveCoupling(nnx.Module):
         """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
         f = _lift.in_dtype(self.f, self.compute_dtype)
         g = _lift.in_dtype(self.g, self.compute_dtype)
-        y, _ = _couplings.additive(
+        y, _ = couplings.additive(
             lambda h: (f(h), None),
             lambda h: (g(h), None),
             x,
@@ -155,7 +155,7 @@ class AffineCoupling(nnx.Module):
         """
         where = type(self).__name__
         self.net = check_callable(where, "net", net)
-        self.scale, scale_bound = _couplings.check_scale(where, scale, scale_bound)
+        self.scale, scale_bound = couplings.check_scale(where, scale, scale_bound)
         self.scale_bound = scale_bound
         self.compute_dtype = coupling_compute_dtype(where, compute_dtype)
 
@@ -174,7 +174,7 @@ class AffineCoupling(nnx.Module):
           TypeError: If ``x`` is not floating point.
         """
         net = _lift.in_dtype(self.net, self.compute_dtype)
-        (y, log_det), _ = _couplings.affine(
+        (y, log_det), _ = couplings.affine(
             lambda h: (net(h), None),
             x,
             scale_kind=self.scale,

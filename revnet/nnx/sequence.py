@@ -6,7 +6,7 @@ variable (parameters, BatchNorm statistics, the RNG streams that dropout
 draws from) gets a leading layer axis. A call splits the stacked module into
 ``(graphdef, params, state)``, lifts one layer into a pure function (see
 ``_lift.py``) and hands both to the framework-free stack
-(:func:`revnet._stack.run_stack`), which runs them in one scan inside one
+(:func:`revnet._layers.stack.run_stack`), which runs them in one scan inside one
 :func:`revnet.invertible` function. The new state (statistics, advanced RNG
 counters) comes out of the forward pass and is written back into the module
 once.
@@ -21,16 +21,11 @@ import jax
 from flax import nnx
 
 import revnet
-from revnet._block_checks import (
-    check_blocks,
-    check_input,
-    check_stack_options,
-    stack_options,
-)
-from revnet._checks import check_float_dtype, check_sharding
+from revnet._layers.checks import check_blocks, check_input
+from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain, sharded_layer
-from revnet._stack import invert_stack, run_stack
+from revnet._layers.sharding import constrain
+from revnet._layers.stack import invert_stack, run_stack
 from revnet.nnx import _lift
 
 _NAME = "ReversibleSequence"
@@ -67,7 +62,7 @@ def _created(block: Callable[..., Any], rngs: nnx.Rngs) -> nnx.Module:
     return layer
 
 
-class ReversibleSequence(nnx.Module):
+class ReversibleSequence(OptionViews, nnx.Module):
     """``num_layers`` copies of a block whose backward pass stores no activations.
 
     ``block(rngs=rngs)`` creates one shape-preserving block: a user's own
@@ -178,20 +173,16 @@ class ReversibleSequence(nnx.Module):
             _check_factory(factory, "block" if self._stacked else f"block[{i}]")
         check_rngs(_NAME, rngs)
         _lift.check_defaults(_NAME)
-        options = check_stack_options(
+        self.options = StackOptions.checked(
             _NAME,
             reversible=reversible,
             anchor_every=anchor_every,
             drift=drift,
             decisions=decisions,
             kinks=kinks,
+            activation_sharding=activation_sharding,
         )
-        for option, value in options.items():
-            setattr(self, option, value)
-        self.activation_sharding = check_sharding(
-            _NAME, "activation_sharding", activation_sharding
-        )
-        compute = ComputeDtype(check_float_dtype(_NAME, "compute_dtype", compute_dtype))
+        compute = ComputeDtype.checked(_NAME, compute_dtype)
         self.compute_dtype = compute.dtype
         if self._stacked:
 
@@ -210,16 +201,14 @@ class ReversibleSequence(nnx.Module):
 
     def _per_layer(self) -> tuple[Any, Any]:
         """The layer function(s) and per-layer ``(params, state, None)`` of
-        :func:`revnet._stack.run_stack`."""
-        spec = self.activation_sharding
+        :func:`revnet._layers.stack.run_stack`."""
         if self._stacked:
             graphdef, params, state = _lift.split(_NAME, self.layers)
-            layer = _lift.layer(_lift.pure(graphdef))
-            return sharded_layer(layer, spec), (params, state, None)
+            return _lift.layer(_lift.pure(graphdef)), (params, state, None)
         layers, per_layer = [], []
         for module in self.layers:
             graphdef, params, state = _lift.split(_NAME, module)
-            layers.append(sharded_layer(_lift.layer(_lift.pure(graphdef)), spec))
+            layers.append(_lift.layer(_lift.pure(graphdef)))
             per_layer.append((params, state, None))
         return layers, per_layer
 
@@ -228,13 +217,7 @@ class ReversibleSequence(nnx.Module):
         check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        y, new_state = run_stack(
-            layer,
-            per_layer,
-            x,
-            **stack_options(self),
-            name=_NAME,
-        )
+        y, new_state = run_stack(layer, per_layer, x, self.options, name=_NAME)
         if self._stacked:
             nnx.update(self.layers, new_state)
         else:
@@ -263,4 +246,4 @@ class ReversibleSequence(nnx.Module):
         check_input(_NAME, y, min_rank=1, expected="[batch, ...]")
         y = constrain(y, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        return invert_stack(layer, per_layer, y, name=_NAME)
+        return invert_stack(layer, per_layer, y, self.options, name=_NAME)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from revnet._block_checks import check_transformer, check_width
+from revnet._layers.checks import check_transformer, check_width
 from revnet.nnx.coupling import AdditiveCoupling
 
 

@@ -12,12 +12,10 @@ at most the output tuple's table of pointers (8 bytes a leaf).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import doctest
 import functools
 import math
-import sys
 import warnings
 
 import haiku as hk
@@ -32,6 +30,7 @@ from revnet import blocks
 from revnet._engine import jaxpr as jx
 from revnet._engine import kept
 from tests.engine import test_decisions as td
+from tests.helpers import calls_of
 
 
 @pytest.fixture(autouse=True)
@@ -360,23 +359,6 @@ def test_docstring_example_runs():
     assert result.attempted >= 5 and result.failed == 0
 
 
-@contextlib.contextmanager
-def _calls_of(fn):
-    """The calls of the Python function ``fn`` made inside the block, seen by a
-    profiler (``sys.setprofile``): nothing is patched."""
-    code, calls, before = fn.__code__, [], sys.getprofile()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is code:
-            calls.append(frame.f_back.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        yield calls
-    finally:
-        sys.setprofile(before)
-
-
 def test_recording_costs_nothing_and_changes_nothing():
     """Outside ``revnet.stored`` a hook with nothing growing returns before it
     looks at anything; and the hooks change no compiled program."""
@@ -400,12 +382,12 @@ def test_recording_costs_nothing_and_changes_nothing():
     # The hooks look at the stack (jx.caller_site) inside revnet.stored ...
     flat, flat_args = _stack_fn(_act(jnp.tanh), 4)
     h, h_args, _ = LOOPS["scan invert"]
-    with _calls_of(jx.caller_site) as calls:
+    with calls_of(jx.caller_site) as calls:
         revnet.stored(flat, *flat_args)
         revnet.stored(h, *h_args)
     assert calls == ["invertible", "loop"], calls
     # ... and not outside, where nothing grows.
-    with _calls_of(jx.caller_site) as calls:
+    with calls_of(jx.caller_site) as calls:
         jax.grad(lambda *a: jnp.sum(flat(*a)[0]), (0, 1, 2))(*flat_args)
         jax.grad(lambda *a: jnp.sum(h(*a)[0][0]))(*h_args)
     assert calls == [], calls

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from revnet import _couplings, _stack
+from revnet._layers import couplings, stack
+from revnet._layers.options import StackOptions
 from tests.helpers import assert_trees_close, tolerance
 
 
-@pytest.mark.parametrize("module", [_stack, _couplings])
+@pytest.mark.parametrize("module", [stack, couplings])
 def test_docstring_examples(module):
     result = doctest.testmod(
         module, extraglobs={"jax": jax, "jnp": jnp}, optionflags=doctest.ELLIPSIS
@@ -45,13 +46,8 @@ def test_gradients_and_state_equal_the_plain_scan(anchor_every):
     x = jax.random.normal(jax.random.key(1), (3, 8))
 
     def loss(w, x, reversible):
-        y, state = _stack.run_stack(
-            _layer,
-            (w, *per_layer[1:]),
-            x,
-            reversible=reversible,
-            anchor_every=anchor_every,
-        )
+        options = StackOptions(reversible=reversible, anchor_every=anchor_every)
+        y, state = stack.run_stack(_layer, (w, *per_layer[1:]), x, options)
         return jnp.sum(jnp.sin(y)), state
 
     (rev, rev_state), rev_grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(
@@ -64,8 +60,8 @@ def test_gradients_and_state_equal_the_plain_scan(anchor_every):
     assert_trees_close(rev, std, rtol, "loss")
     assert_trees_close(rev_grads, std_grads, rtol, "grads")
     assert (rev_state == 1).all() and (std_state == 1).all()
-    y, _ = _stack.run_stack(_layer, per_layer, x)
-    assert_trees_close(_stack.invert_stack(_layer, per_layer, y), x, rtol, "x")
+    y, _ = stack.run_stack(_layer, per_layer, x)
+    assert_trees_close(stack.invert_stack(_layer, per_layer, y), x, rtol, "x")
 
 
 def test_a_list_of_layers_runs_unrolled():
@@ -73,14 +69,14 @@ def test_a_list_of_layers_runs_unrolled():
     ws = [0.5 * jax.random.normal(jax.random.fold_in(k, i), (2, 4, 4)) for i in (0, 1)]
     triples = [(w, jnp.int32(0), None) for w in ws]
     x = jax.random.normal(k, (3, 8))
-    y, states = _stack.run_stack([_layer, _layer], triples, x)
+    y, states = stack.run_stack([_layer, _layer], triples, x)
     stacked = (jnp.stack(ws), jnp.zeros([2], jnp.int32), None)
-    assert_trees_close(y, _stack.run_stack(_layer, stacked, x)[0], 1e-6, "y")
+    assert_trees_close(y, stack.run_stack(_layer, stacked, x)[0], 1e-6, "y")
     assert [int(s) for s in states] == [1, 1]
     with pytest.raises(ValueError, match="a list of layers is unrolled"):
-        _stack.run_stack([_layer, _layer], triples, x, anchor_every=1)
+        stack.run_stack([_layer, _layer], triples, x, StackOptions(anchor_every=1))
     with pytest.raises(ValueError, match="one .params, state, key. triple per"):
-        _stack.run_stack([_layer, _layer], triples[:1], x)
+        stack.run_stack([_layer, _layer], triples[:1], x)
 
 
 def test_a_layer_that_changes_the_shape_is_named():
@@ -88,7 +84,7 @@ def test_a_layer_that_changes_the_shape_is_named():
         return jnp.concatenate([h, h], -1), state
 
     with pytest.raises(ValueError, match="^mine: each block must preserve"):
-        _stack.run_stack(
+        stack.run_stack(
             widen, (jnp.ones([2]), None, None), jnp.ones([3, 4]), name="mine"
         )
 
@@ -96,12 +92,12 @@ def test_a_layer_that_changes_the_shape_is_named():
 def test_couplings_check_their_stream_and_residuals():
     f = lambda h: (jnp.tanh(h), None)  # noqa: E731
     with pytest.raises(ValueError, match="^c: the last axis is split"):
-        _couplings.additive(f, f, jnp.ones([2, 3]), name="c")
+        couplings.additive(f, f, jnp.ones([2, 3]), name="c")
     with pytest.raises(ValueError, match="expected an input of shape"):
-        _couplings.additive(f, f, jnp.ones([4]), name="c")
-    (y, log_det), _ = _couplings.affine(
+        couplings.additive(f, f, jnp.ones([4]), name="c")
+    (y, log_det), _ = couplings.affine(
         lambda h: (jnp.zeros([4]), None), jnp.ones([4]), batch_dims=0
     )
     assert log_det.shape == () and float(log_det) == 0.0
     with pytest.raises(ValueError, match="^c: net must return an array of shape"):
-        _couplings.affine(f, jnp.ones([2, 4]), name="c")
+        couplings.affine(f, jnp.ones([2, 4]), name="c")

@@ -3,7 +3,6 @@ custom_ivjp's single-input form."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import jax
@@ -16,6 +15,7 @@ import revnet
 from revnet._engine import registry, stats
 from tests.helpers import (
     assert_trees_close,
+    calls_of,
     check_against_autodiff,
     runtime_checks,
     tolerance,
@@ -175,30 +175,11 @@ def _step_tanh(c, w):
     return (x1, x2), jnp.sum(x2)
 
 
-@contextlib.contextmanager
 def _count_printing():
     """Counts str()/repr()/pretty-printing of jaxprs and equations."""
-    calls = []
     classes = [jex_core.Jaxpr, jex_core.ClosedJaxpr, jex_core.JaxprEqn]
-    saved = []
-
-    def spying(orig):
-        def spy(self, *a, **k):
-            calls.append(type(self).__name__)
-            return orig(self, *a, **k)
-
-        return spy
-
-    for cls in dict.fromkeys(classes):
-        for name in ("__str__", "__repr__", "pretty_print"):
-            if name in vars(cls):
-                saved.append((cls, name, vars(cls)[name]))
-                setattr(cls, name, spying(vars(cls)[name]))
-    try:
-        yield calls
-    finally:
-        for cls, name, orig in saved:
-            setattr(cls, name, orig)
+    names = ("__str__", "__repr__", "pretty_print")
+    return calls_of(*(vars(c)[n] for c in classes for n in names if n in vars(c)))
 
 
 def _loss(f):

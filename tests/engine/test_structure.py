@@ -18,6 +18,7 @@ ROOT = pathlib.Path(revnet.__file__).parent
 ENGINE = "revnet._engine"
 JAXPR = "revnet._engine.jaxpr"
 STRUCTURAL = "revnet._engine.structural"
+FRONT_DOOR_LAYER = "revnet._layers"
 MAX_LINES = 450
 MAX_FUNCTION_LINES = 100
 
@@ -179,6 +180,14 @@ def test_jaxpr_package_is_a_leaf():
         engine = {m for m in _imports(name) if m.startswith(ENGINE)}
         others = sorted(m for m in engine if not m.startswith(JAXPR))
         assert not others, f"{name} imports engine modules {others}"
+
+
+def test_the_engine_does_not_import_the_front_door_layer():
+    # The layer sits above the engine: it imports the engine's surface only.
+    engine = [m for m in MODULES if m == ENGINE or m.startswith(ENGINE + ".")]
+    for name in engine:
+        layers = sorted(m for m in _imports(name) if m.startswith(FRONT_DOOR_LAYER))
+        assert not layers, f"{name} imports {layers}"
 
 
 def test_only_the_jaxpr_package_imports_jax_extend():

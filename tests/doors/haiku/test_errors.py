@@ -563,6 +563,30 @@ ARGUMENT_CASES = [
         "1",
         "bool",
     ),
+    (
+        "reversible_sequence",
+        lambda: _seq(kinks="never"),
+        ValueError,
+        "kinks",
+        "'never'",
+        "one of ('recompute', 'store')",
+    ),
+    (
+        "revnet",
+        lambda: blocks.RevNet(_TINY, 10, decisions="sometimes"),
+        ValueError,
+        "decisions",
+        "'sometimes'",
+        "one of ('store', 'recompute')",
+    ),
+    (
+        "reversible_transformer",
+        lambda: _transformer(kinks=None),
+        ValueError,
+        "kinks",
+        "None",
+        "one of ('recompute', 'store')",
+    ),
 ]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -10,8 +13,9 @@ import pytest
 
 import revnet
 from revnet import blocks
+from revnet._layers import options as stack_options
 from tests.doors.haiku.descriptors import additive, affine, conv_unit
-from tests.helpers import assert_trees_close
+from tests.helpers import assert_trees_close, calls_of
 
 
 def dropout_mlp(h: jax.Array) -> jax.Array:
@@ -231,3 +235,75 @@ def test_sequences_nest_inside_blocks():
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
 
     assert_trees_close(grads(True), grads(False), 1e-5)
+
+
+_MODELS = {
+    "sequence": (lambda **kw: blocks.ReversibleSequence(additive, 2, **kw), (2, 4)),
+    "revnet": (
+        lambda **kw: functools.partial(
+            blocks.RevNet(blocks.RevNetConfig((2, 2), (4, 4, 8)), 3, **kw),
+            is_training=True,
+        ),
+        (2, 4, 4, 3),
+    ),
+    "transformer": (
+        lambda **kw: functools.partial(
+            blocks.ReversibleTransformer(1, 2, 8, 8, **kw), is_training=True
+        ),
+        (2, 3, 8),
+    ),
+}
+
+
+def _stacks_run(name, **options):
+    """The ReversibleSequences a model runs, as a method interceptor sees them,
+    and the stack options checked while it is made and run once."""
+    make, shape = _MODELS[name]
+    seen = []
+
+    def intercept(next_f, args, kwargs, context):
+        if isinstance(context.module, blocks.ReversibleSequence):
+            seen.append(context.module)
+        return next_f(*args, **kwargs)
+
+    def fn(x):
+        with hk.intercept_methods(intercept):
+            return make(**options)(x)
+
+    with calls_of(stack_options.check_options) as checked:
+        hk.transform_with_state(fn).init(jax.random.PRNGKey(0), jnp.ones(shape))
+    return {seq.module_name: seq for seq in seen}, checked
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_models_pass_decisions_and_kinks_to_their_stacks_checked_once(name):
+    stacks, checked = _stacks_run(name, decisions="recompute", kinks="store")
+    assert stacks, name
+    for seq in stacks.values():
+        assert (seq.decisions, seq.kinks) == ("recompute", "store"), seq.module_name
+    # Once per module the user made, however many stacks it builds (the other
+    # caller is revnet.invertible, which checks its own arguments as it runs).
+    assert checked.count("checked") == 1, checked  # StackOptions.checked
+
+
+def test_revnet_kinks_are_stored_per_unit_only_when_asked():
+    # RevNet's units take relu of the rebuilt half: kinks="store" keeps their
+    # branches; decisions="recompute" stores nothing, kinks included.
+    config = blocks.RevNetConfig((2,), (4, 4))
+    x = jnp.ones([2, 4, 4, 3])
+
+    def kept(**options):
+        net = hk.transform_with_state(
+            lambda x: blocks.RevNet(config, 3, **options)(x, True)
+        )
+        params, state = net.init(jax.random.PRNGKey(0), x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", revnet.StoredGrowthWarning)
+            report = revnet.stored(
+                lambda p, x: net.apply(p, state, None, x)[0], params, x
+            )
+        return report.by_kind()
+
+    assert "kink" not in kept()
+    assert kept(kinks="store")["kink"] > 0
+    assert "kink" not in kept(kinks="store", decisions="recompute")

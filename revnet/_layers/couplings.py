@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet._block_checks import check_output, check_splittable
 from revnet._checks import check_choice, check_real
+from revnet._layers.checks import check_output, check_splittable
 
 Residual = Callable[[jax.Array], tuple[jax.Array, Any]]
 """A residual function ``h -> (out, aux)``."""

@@ -1,7 +1,9 @@
 """Checks that the blocks of every front door make: the stream's shape, the
-residual functions' outputs and the anchors' keyword arguments.
+residual functions' outputs, a sequence's blocks and a transformer's sizes.
 
-The generic argument checks they use live in :mod:`revnet._checks`.
+The generic argument checks they use live in :mod:`revnet._checks`; the
+options of a stack are checked where they are made, in
+:mod:`revnet._layers.options`.
 """
 
 from __future__ import annotations
@@ -11,16 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from revnet._checks import (
-    check_bool,
-    check_callable,
-    check_int,
-    check_monitor,
-    check_real,
-    fail,
-)
+from revnet._checks import check_callable, check_int, check_real, fail
 from revnet._engine import show
-from revnet.invertible import invertible
 
 
 def check_input(
@@ -82,66 +76,6 @@ def check_output(module: str, what: str, out: Any, shape: tuple[int, ...]) -> No
             f"{module}: {what} must return an array of shape {tuple(shape)}, got "
             f"{tuple(jnp.shape(out))}."
         )
-
-
-def check_anchors(module: str, anchor_every: Any, drift: Any) -> dict[str, Any]:
-    """Checks ``anchor_every`` (None or a positive integer) and ``drift``.
-
-    Returns:
-      ``{"anchor_every": ..., "drift": ...}``, the keyword arguments of
-      :func:`revnet._stack.run_stack` (``anchor_every`` as a Python int or
-      None).
-
-    Raises:
-      TypeError: If ``anchor_every`` is not an integer or ``drift`` not a
-        ``revnet.DriftMonitor``.
-      ValueError: If ``anchor_every`` is not positive.
-    """
-    if anchor_every is not None:
-        anchor_every = check_int(module, "anchor_every", anchor_every)
-    return {
-        "anchor_every": anchor_every,
-        "drift": check_monitor(module, "drift", drift),
-    }
-
-
-# The options every front door's ``ReversibleSequence`` takes and stores under
-# these names, the keyword arguments of :func:`revnet._stack.run_stack`.
-STACK_OPTIONS = ("reversible", "anchor_every", "drift", "decisions", "kinks")
-
-
-def check_stack_options(
-    module: str,
-    *,
-    reversible: Any,
-    anchor_every: Any,
-    drift: Any,
-    decisions: Any,
-    kinks: Any,
-) -> dict[str, Any]:
-    """Checks a sequence's :data:`STACK_OPTIONS`.
-
-    Returns:
-      The options by name, checked (see :func:`check_anchors`).
-
-    Raises:
-      TypeError: If ``reversible`` is not a bool, ``anchor_every`` not an
-        integer or ``drift`` not a ``revnet.DriftMonitor``.
-      ValueError: If ``anchor_every`` is not positive, or ``decisions`` or
-        ``kinks`` is not one of its choices.
-    """
-    options = {"reversible": check_bool(module, "reversible", reversible)}
-    options.update(check_anchors(module, anchor_every, drift))
-    try:
-        invertible(decisions=decisions, kinks=kinks)
-    except ValueError as e:
-        raise ValueError(f"{module}: {e}".replace("invertible: ", "")) from None
-    return {**options, "decisions": decisions, "kinks": kinks}
-
-
-def stack_options(sequence: Any) -> dict[str, Any]:
-    """The :data:`STACK_OPTIONS` a sequence stored, for ``run_stack``."""
-    return {name: getattr(sequence, name) for name in STACK_OPTIONS}
 
 
 def check_blocks(

@@ -7,7 +7,8 @@ A front door (Haiku's :class:`~revnet.blocks.ReversibleSequence`,
     layer(params_i, state_i, key_i, h) -> (y, new_state_i)
 
 and stacks the parameters, the state and one RNG key per layer on a leading
-axis. :func:`run_stack` then runs the layers:
+axis. :func:`run_stack` then runs the layers as the door's
+:class:`~revnet._layers.options.StackOptions` say:
 
 * reversibly, in one ``lax.scan`` inside ONE :func:`revnet.invertible`
   function: the core saves the stack's output and builds one reverse scan that
@@ -16,7 +17,9 @@ axis. :func:`run_stack` then runs the layers:
 * with anchors (``anchor_every``) or a :class:`revnet.DriftMonitor`, in a
   :func:`revnet.scan` with ``mode="invert"``;
 * or, with ``reversible=False``, in a plain ``lax.scan`` under ordinary
-  autodiff: the honest baseline, on the very same parameters.
+  autodiff: the honest baseline, on the very same parameters;
+
+each layer's input and output constrained to ``activation_sharding``.
 
 New state (BatchNorm statistics) is a result of the forward pass only: an
 ``optimization_barrier`` keeps the inversion from solving the statistics'
@@ -36,8 +39,9 @@ from typing import Any
 import jax
 
 import revnet
-from revnet._couplings import invert
-from revnet.drift import DriftMonitor
+from revnet._layers.couplings import invert
+from revnet._layers.options import DEFAULTS, StackOptions
+from revnet._layers.sharding import sharded_layer
 
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 """``layer(params, state, key, h) -> (y, new_state)``, pure."""
@@ -73,19 +77,15 @@ def checked_layer(layer: Layer, name: str, reversible: bool) -> Layer:
 def _stack_fn(
     layer: Layer | Sequence[Layer],
     per_layer: PerLayer | Sequence[PerLayer],
-    *,
-    reversible: bool,
-    anchored: bool,
-    anchor_every: int | None,
-    drift: DriftMonitor | None,
-    decisions: str,
-    kinks: str,
+    options: StackOptions,
     name: str,
 ) -> Callable[[jax.Array], tuple[jax.Array, Any]]:
     """The function ``h -> (y, new_state)`` of the whole stack, closing over
     ``per_layer``; anchored, it is a :func:`revnet.scan` of its own."""
+    reversible, spec = options.reversible, options.activation_sharding
+    anchored = reversible and options.anchors
     if callable(layer):
-        body_layer = checked_layer(layer, name, reversible)
+        body_layer = checked_layer(sharded_layer(layer, spec), name, reversible)
 
         def body(h, xs):
             return body_layer(*xs, h)
@@ -99,10 +99,10 @@ def _stack_fn(
                     h,
                     tuple(per_layer),
                     mode="invert",
-                    decisions=decisions,
-                    kinks=kinks,
-                    anchor_every=anchor_every,
-                    drift=drift,
+                    decisions=options.decisions,
+                    kinks=options.kinks,
+                    anchor_every=options.anchor_every,
+                    drift=options.drift,
                 )
             return jax.lax.scan(body, h, tuple(per_layer))
 
@@ -112,7 +112,9 @@ def _stack_fn(
                 f"{name}: anchor_every and drift need one layer function stacked "
                 "on a leading axis; a list of layers is unrolled and has no anchors."
             )
-        layers = [checked_layer(fn, name, reversible) for fn in layer]
+        layers = [
+            checked_layer(sharded_layer(fn, spec), name, reversible) for fn in layer
+        ]
         triples = list(per_layer)
         if len(triples) != len(layers):
             raise ValueError(
@@ -135,12 +137,8 @@ def run_stack(
     layer: Layer | Sequence[Layer],
     per_layer: PerLayer | Sequence[PerLayer],
     h: jax.Array,
+    options: StackOptions = DEFAULTS,
     *,
-    reversible: bool = True,
-    anchor_every: int | None = None,
-    drift: DriftMonitor | None = None,
-    decisions: str = "store",
-    kinks: str = "recompute",
     name: str = "stack",
 ) -> tuple[jax.Array, Any]:
     """Runs a stack of shape-preserving layers, reversibly by default.
@@ -152,13 +150,9 @@ def run_stack(
         per layer (``keys`` may be None; so may ``state``). With a list of
         layer functions: a list of ``(params_i, state_i, key_i)`` triples.
       h: The stream entering the first layer.
-      reversible: If False, run a plain ``lax.scan`` under ordinary autodiff.
-      anchor_every: None, or ``k``: store the stream before every ``k``-th
-        layer and restart the backward pass's inversion from each stored one.
-      drift: None, or a :class:`revnet.DriftMonitor` receiving each backward
-        pass's reconstruction error at the anchors.
-      decisions: ``"store"`` or ``"recompute"``, as in :func:`revnet.invertible`.
-      kinks: ``"recompute"`` or ``"store"``, as in :func:`revnet.invertible`.
+      options: How the stack runs (:class:`StackOptions`, checked by the
+        front door that made them): reversibly or not, with anchors or a
+        drift monitor, its decisions and kinks, the stream's sharding.
       name: Name of the stack in error messages (the front door's module).
 
     Returns:
@@ -180,20 +174,11 @@ def run_stack(
     >>> y.shape
     (2, 8)
     """
-    anchored = reversible and (anchor_every is not None or drift is not None)
-    stack = _stack_fn(
-        layer,
-        per_layer,
-        reversible=reversible,
-        anchored=anchored,
-        anchor_every=anchor_every,
-        drift=drift,
-        decisions=decisions,
-        kinks=kinks,
-        name=name,
-    )
-    if reversible and not anchored:
-        stack = revnet.invertible(stack, decisions=decisions, kinks=kinks)
+    stack = _stack_fn(layer, per_layer, options, name)
+    if options.reversible and not options.anchors:
+        stack = revnet.invertible(
+            stack, decisions=options.decisions, kinks=options.kinks
+        )
     return stack(h)
 
 
@@ -201,6 +186,7 @@ def invert_stack(
     layer: Layer | Sequence[Layer],
     per_layer: PerLayer | Sequence[PerLayer],
     y: jax.Array,
+    options: StackOptions = DEFAULTS,
     *,
     name: str = "stack",
 ) -> jax.Array:
@@ -211,6 +197,8 @@ def invert_stack(
       per_layer: The same per-layer parameters, state and keys (the same keys
         replay dropout).
       y: The stack's output.
+      options: The options given to :func:`run_stack`; only the stream's
+        sharding matters here (the inverse stores and decides nothing).
       name: Name of the stack in error messages.
 
     Returns:
@@ -230,17 +218,8 @@ def invert_stack(
     >>> bool(jnp.allclose(x, 0.0, atol=1e-6))
     True
     """
-    stack = _stack_fn(
-        layer,
-        per_layer,
-        reversible=True,
-        anchored=False,
-        anchor_every=None,
-        drift=None,
-        decisions="store",
-        kinks="recompute",
-        name=name,
-    )
+    plain = StackOptions(activation_sharding=options.activation_sharding)
+    stack = _stack_fn(layer, per_layer, plain, name)
 
     def outputs(h):
         return stack(h)[0]

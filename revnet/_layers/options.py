@@ -1,0 +1,139 @@
+"""How a reversible stack runs: one frozen value, checked where it is made.
+
+Every front door's ``ReversibleSequence``, and Haiku's ``RevNet`` and
+``ReversibleTransformer`` (which build sequences), take the same options of
+how their stack runs: ``reversible``, ``anchor_every``, ``drift``,
+``decisions``, ``kinks`` and ``activation_sharding``. A module checks them
+once, when it is made (:meth:`StackOptions.checked`, whose messages name the
+module), holds the one :class:`StackOptions` value and hands it to
+:func:`revnet._layers.stack.run_stack`; a model hands its value on to the
+sequences it builds. ``decisions`` and ``kinks`` are checked by the engine's
+own option check, the one :func:`revnet.invertible` makes.
+
+A new stack option is one field of :class:`StackOptions`, its check in
+:meth:`StackOptions.checked` and a keyword in the doors' signatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from revnet._checks import check_bool, check_int, check_monitor, check_sharding
+from revnet._engine import check_options
+from revnet.drift import DriftMonitor
+
+
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+    """The options of a stack of layers, checked.
+
+    Attributes:
+      reversible: If False, the layers run in a plain ``lax.scan`` under
+        ordinary autodiff (the twin to compare with).
+      anchor_every: None, or ``k``: store the stream before every ``k``-th
+        layer and restart the backward pass's inversion from each stored one.
+      drift: None, or a :class:`revnet.DriftMonitor` receiving each backward
+        pass's reconstruction error at the anchors.
+      decisions: ``"store"`` or ``"recompute"``, as in
+        :func:`revnet.invertible`.
+      kinks: ``"recompute"`` or ``"store"``, as in :func:`revnet.invertible`.
+      activation_sharding: None, or the ``PartitionSpec`` or
+        ``NamedSharding`` each layer's input and output are constrained to
+        (see :mod:`revnet._layers.sharding`).
+    """
+
+    reversible: bool = True
+    anchor_every: int | None = None
+    drift: DriftMonitor | None = None
+    decisions: str = "store"
+    kinks: str = "recompute"
+    activation_sharding: Any = None
+
+    @classmethod
+    def checked(
+        cls,
+        module: str,
+        *,
+        reversible: Any = True,
+        anchor_every: Any = None,
+        drift: Any = None,
+        decisions: Any = "store",
+        kinks: Any = "recompute",
+        activation_sharding: Any = None,
+    ) -> StackOptions:
+        """The options a module was given, checked in this order.
+
+        Args:
+          module: Name of the module, for error messages.
+          reversible: As given to the module (see the attributes).
+          anchor_every: As given.
+          drift: As given.
+          decisions: As given.
+          kinks: As given.
+          activation_sharding: As given.
+
+        Returns:
+          The options (``reversible`` as a bool, ``anchor_every`` as a
+          Python int or None).
+
+        Raises:
+          TypeError: If ``reversible`` is not a bool, ``anchor_every`` not an
+            integer, ``drift`` not a ``revnet.DriftMonitor`` or
+            ``activation_sharding`` not a sharding.
+          ValueError: If ``anchor_every`` is not positive, or ``decisions`` or
+            ``kinks`` is not one of its choices.
+        """
+        reversible = check_bool(module, "reversible", reversible)
+        if anchor_every is not None:
+            anchor_every = check_int(module, "anchor_every", anchor_every)
+        drift = check_monitor(module, "drift", drift)
+        check_options(decisions, kinks, module)
+        sharding = check_sharding(module, "activation_sharding", activation_sharding)
+        return cls(reversible, anchor_every, drift, decisions, kinks, sharding)
+
+    @property
+    def anchors(self) -> bool:
+        """Whether anchors are asked for (``anchor_every`` or ``drift``)."""
+        return self.anchor_every is not None or self.drift is not None
+
+
+DEFAULTS = StackOptions()
+"""The options of a stack given none."""
+
+
+class OptionViews:
+    """A sequence's ``options``, read under its constructor's argument names
+    (``seq.reversible``, ``seq.drift``, ...)."""
+
+    options: StackOptions
+
+    @property
+    def reversible(self) -> bool:
+        """See :class:`StackOptions`."""
+        return self.options.reversible
+
+    @property
+    def anchor_every(self) -> int | None:
+        """See :class:`StackOptions`."""
+        return self.options.anchor_every
+
+    @property
+    def drift(self) -> DriftMonitor | None:
+        """See :class:`StackOptions`."""
+        return self.options.drift
+
+    @property
+    def decisions(self) -> str:
+        """See :class:`StackOptions`."""
+        return self.options.decisions
+
+    @property
+    def kinks(self) -> str:
+        """See :class:`StackOptions`."""
+        return self.options.kinks
+
+    @property
+    def activation_sharding(self) -> Any:
+        """See :class:`StackOptions`."""
+        return self.options.activation_sharding
