@@ -1,5 +1,6 @@
 """The package's structure: explicit registrations, no import cycles, no
-import up the layers, a leaf jaxpr package, small files and small functions.
+import up the layers, a leaf jaxpr package, small files and small functions;
+and no test that patches revnet.
 
 These tests read the source (``ast``) and the engine's tables; they compile
 nothing.
@@ -235,3 +236,99 @@ def test_no_function_over_the_line_limit():
         if n > MAX_FUNCTION_LINES
     }
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _revnet_names(tree: ast.Module) -> set[str]:
+    """The names a test module binds to ``revnet`` modules or their objects."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "revnet"
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "revnet"
+        ):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+_MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "update"}
+_MUTATORS |= {"setdefault", "add", "discard", "__setitem__", "__delitem__"}
+
+
+def private_patches(source: str) -> list[str]:
+    """Where test ``source`` replaces an attribute of a revnet module or object:
+    ``setattr`` (``monkeypatch.setattr`` included) on one, an assignment to
+    one of its attributes or items, or a mutating method of a private one
+    (``loops._HOOKS.append``). Tests reach revnet through its API or a documented
+    hook (``revnet._engine.loops.hooks``, ``kept.hooks_off``), never a patch."""
+    tree = ast.parse(source)
+    ours = _revnet_names(tree)
+
+    def revnet_object(node: ast.expr) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value.startswith("revnet")
+        return isinstance(node, ast.Name) and node.id in ours
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else getattr(func, "id", None)
+            )
+            if name in ("setattr", "delattr") and revnet_object(node.args[0]):
+                found.append(f"line {node.lineno}: {name}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value  # a private list or dict of revnet, mutated
+            if (
+                node.func.attr in _MUTATORS
+                and isinstance(owner, ast.Attribute)
+                and owner.attr.startswith("_")
+                and revnet_object(owner.value)
+            ):
+                found.append(f"line {node.lineno}: mutates {ast.unparse(owner)}")
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and revnet_object(target.value):
+                found.append(f"line {node.lineno}: assigns {ast.unparse(target)}")
+    return found
+
+
+def test_no_test_patches_revnet():
+    tests = ROOT.parent / "tests"
+    found = {
+        str(path.relative_to(tests)): hits
+        for path in sorted(tests.rglob("*.py"))
+        if (hits := private_patches(path.read_text()))
+    }
+    assert not found, found
+
+
+def test_the_patch_finder_finds_patches():
+    source = (
+        "from revnet._engine.loops import choose\n"
+        "import revnet.loops as loops\n"
+        "def test(monkeypatch):\n"
+        "    monkeypatch.setattr(choose, 'choose_mode', None)\n"
+        "    monkeypatch.setattr('revnet.loops.scan', None)\n"
+        "    loops._HOOKS = []\n"
+        "    setattr(choose.x, 'y', 1)\n"
+        "    loops._BACKWARD_STEP_HOOKS.append(print)\n"
+        "    loops.scan(print)\n"
+        "    loops._TABLE['x'] = 1\n"
+        "    loops._TABLE.values()\n"
+    )
+    assert len(private_patches(source)) == 6, private_patches(source)
+    assert private_patches("import os\nos.environ['X'] = '1'\n") == []

@@ -28,8 +28,7 @@ from jax import lax
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
-from revnet._engine import runtime_checks as checks
-from revnet._engine import sharding
+from revnet._engine import runtime_checks, sharding
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
@@ -72,7 +71,7 @@ class _Walk:
 
     def step(self, carry, y_t, s_t, x_t, cts=None, perturbed=None):
         """One step back: the plan's values (and cotangents), checked."""
-        with checks.scope() as sc:
+        with runtime_checks.scope() as sc:
             vals, in_cts = run_plan(
                 self.plan,
                 self.sp.body.jaxpr,
@@ -153,13 +152,13 @@ def _rebuild(walk: _Walk, final: list) -> list:
         x_t, y_t, s_t = per
         vals, _, sc = walk.step(carry, y_t, s_t, x_t)
         carry = merge(vals[:nr], s_t, walk.mask)
-        return (carry, checks.merge(bad, sc, walk.messages)), vals[nr:]
+        return (carry, runtime_checks.merge(bad, sc, walk.messages)), vals[nr:]
 
-    bad0 = jnp.int32(-1) if checks.enabled() else None
+    bad0 = jnp.int32(-1) if runtime_checks.enabled() else None
     (init, bad), xs_new = walk.scan(
         body, (final, bad0), (walk.xs_known, walk.ys_known, walk.stored)
     )
-    checks.record_index(bad, walk.messages)
+    runtime_checks.record_index(bad, walk.messages)
     return list(init) + list(xs_new)
 
 
@@ -193,7 +192,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
             for c, a in zip(list(ctc) + cty_t, [*carry_avals, *y_avals])
         ]
         vals, in_cts, sc = walk.step(carry, y_t, s_t, x_t, cts_t, body_perturbed)
-        bad = checks.merge(bad, sc, walk.messages)
+        bad = runtime_checks.merge(bad, sc, walk.messages)
         in_cts = in_cts[nb:]
         new_ctk = [
             ct.add(a, b) if f else None
@@ -214,7 +213,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
         final,
         ct.float_or_none(out_cts[:ncar], carry_avals),
         ct_consts0,
-        jnp.int32(-1) if checks.enabled() else None,
+        jnp.int32(-1) if runtime_checks.enabled() else None,
         (None, None)
         if anchors is None
         else (
@@ -226,7 +225,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
     (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = walk.scan(
         body, state, (walk.xs_known, walk.ys_known, walk.stored, present)
     )
-    checks.record_index(bad, walk.messages)
+    runtime_checks.record_index(bad, walk.messages)
     if anchors is not None:
         anc.report(anchors, drift, anc.count(sp.length, anchors.every))
     return list(init) + list(xs_new), list(ct_k) + list(ct_init) + list(ct_xs)
@@ -270,7 +269,7 @@ def backward(
     nk, nc = sp.num_consts, sp.num_carry
     known_xs = (True,) * len(xs)
     known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
-    with checks.scope() as top:
+    with runtime_checks.scope() as top:
         _, in_cts = reversed_scan(
             sp,
             mode.plan,
@@ -283,7 +282,7 @@ def backward(
             anchors,
             [*perturbed[0], *perturbed[1], *perturbed[2]],
         )
-    checks.raise_if_failed(top)
+    runtime_checks.raise_if_failed(top)
     return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
 
@@ -306,11 +305,11 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
         for hook in hooks:
             jax.debug.callback(hook, m)
         kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
-        with checks.scope() as sc:
+        with runtime_checks.scope() as sc:
             prev, in_cts = run_plan(
                 mode.plan, body_jaxpr, list(bk) + kept, list(c), list(ctc), perturbed
             )
-        bad = checks.merge(bad, sc, messages)
+        bad = runtime_checks.merge(bad, sc, messages)
         in_cts = ct.float_or_none(in_cts, k_avals + c_avals)
         ctk = ct.add_into(ctk, in_cts[:nk])
         prev = merge(prev, kept, mode.stored)
@@ -323,13 +322,13 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
         list(ran.final),
         ct.float_or_none(list(cts), c_avals),
         ct.float_or_none([None] * nk, k_avals),
-        jnp.int32(-1) if checks.enabled() else None,
+        jnp.int32(-1) if runtime_checks.enabled() else None,
         None if anchors is None else anc.start(anchors, anc.slots(anchors)),
     )
-    with checks.scope() as top:
+    with runtime_checks.scope() as top:
         _, _, ct_init, ct_k, bad, drift = lax.while_loop(go, step, state)
-        checks.record_index(bad, messages)
-    checks.raise_if_failed(top)
+        runtime_checks.record_index(bad, messages)
+    runtime_checks.raise_if_failed(top)
     if anchors is not None:
         every = anchors.every
         anc.report(anchors, drift, jnp.where(n > 0, (n - 1) // every + 1, 0))
