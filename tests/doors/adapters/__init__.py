@@ -44,3 +44,10 @@ class Built(NamedTuple):
     state: Any
     apply: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
     x: jax.Array
+
+
+def example_input(seed, dtype, shape=None):
+    """The input of a door's stack: normal, ``[BATCH, WIDTH]`` unless ``shape``
+    (every door draws the same values for a seed)."""
+    shape = (BATCH, WIDTH) if shape is None else shape
+    return jax.random.normal(jax.random.key(seed + 1), shape, dtype)

@@ -6,7 +6,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.doors.adapters import BATCH, HEADS, MLP, MODEL, RATE, TIME, WIDTH, Built
+from tests.doors.adapters import (
+    BATCH,
+    HEADS,
+    MLP,
+    MODEL,
+    RATE,
+    TIME,
+    WIDTH,
+    Built,
+    example_input,
+)
 
 REQUIRES = "equinox"
 pytest.importorskip(
@@ -83,10 +93,6 @@ def _built(blocks, num_layers, x, seed, **options):
     return Built(params, state, apply, x)
 
 
-def _x(seed, dtype, shape=(BATCH, WIDTH)):
-    return jax.random.normal(jax.random.key(seed + 1), shape, dtype)
-
-
 def build(
     depth,
     *,
@@ -101,7 +107,7 @@ def build(
     return _built(
         _coupling(dtype),
         depth,
-        _x(seed, dtype),
+        example_input(seed, dtype),
         seed,
         reversible=reversible,
         anchor_every=anchor_every,
@@ -113,7 +119,7 @@ def build(
 
 def build_mixed(*, dtype, reversible, seed=0):
     blocks = [_coupling(dtype), _affine(dtype), _coupling(dtype)]
-    return _built(blocks, None, _x(seed, dtype), seed, reversible=reversible)
+    return _built(blocks, None, example_input(seed, dtype), seed, reversible=reversible)
 
 
 def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
@@ -122,7 +128,7 @@ def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
             MODEL, HEADS, MLP, dropout_rate=RATE, dtype=dtype, key=key
         )
 
-    x = _x(seed, dtype, (BATCH, TIME, MODEL))
+    x = example_input(seed, dtype, (BATCH, TIME, MODEL))
     return _built(
         make_block, depth, x, seed, reversible=reversible, compute_dtype=compute_dtype
     )

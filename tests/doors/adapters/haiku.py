@@ -7,7 +7,17 @@ import jax
 import jax.numpy as jnp
 
 from revnet import blocks
-from tests.doors.adapters import BATCH, HEADS, MLP, MODEL, RATE, TIME, WIDTH, Built
+from tests.doors.adapters import (
+    BATCH,
+    HEADS,
+    MLP,
+    MODEL,
+    RATE,
+    TIME,
+    WIDTH,
+    Built,
+    example_input,
+)
 
 REQUIRES = None
 
@@ -36,10 +46,6 @@ def _built(model, x, seed):
     return Built(params, state, apply, x)
 
 
-def _x(seed, dtype, shape=(BATCH, WIDTH)):
-    return jax.random.normal(jax.random.PRNGKey(seed + 1), shape, dtype)
-
-
 def build(
     depth,
     *,
@@ -63,7 +69,7 @@ def build(
         )
         return seq(x)
 
-    return _built(model, _x(seed, dtype), seed)
+    return _built(model, example_input(seed, dtype), seed)
 
 
 def build_mixed(*, dtype, reversible, seed=0):
@@ -72,7 +78,7 @@ def build_mixed(*, dtype, reversible, seed=0):
             x
         )
 
-    return _built(model, _x(seed, dtype), seed)
+    return _built(model, example_input(seed, dtype), seed)
 
 
 def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
@@ -88,7 +94,7 @@ def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
         )
         return encoder(x, True)
 
-    return _built(model, _x(seed, dtype, (BATCH, TIME, MODEL)), seed)
+    return _built(model, example_input(seed, dtype, (BATCH, TIME, MODEL)), seed)
 
 
 def _made(make):

@@ -8,11 +8,20 @@ key per layer), so the same key gives the same masks, as in the other doors.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.doors.adapters import BATCH, HEADS, MLP, MODEL, RATE, TIME, WIDTH, Built
+from tests.doors.adapters import (
+    BATCH,
+    HEADS,
+    MLP,
+    MODEL,
+    RATE,
+    TIME,
+    WIDTH,
+    Built,
+    example_input,
+)
 from tests.helpers import cast_floats
 
 REQUIRES = "flax"
@@ -80,10 +89,6 @@ def _built(blocks, num_layers, x, seed, dtype, **options):
     return Built(params, stats, apply, x)
 
 
-def _x(seed, dtype, shape=(BATCH, WIDTH)):
-    return jax.random.normal(jax.random.key(seed + 1), shape, dtype)
-
-
 def build(
     depth,
     *,
@@ -98,7 +103,7 @@ def build(
     return _built(
         _coupling(dtype),
         depth,
-        _x(seed, dtype),
+        example_input(seed, dtype),
         seed,
         dtype,
         reversible=reversible,
@@ -111,7 +116,9 @@ def build(
 
 def build_mixed(*, dtype, reversible, seed=0):
     blocks = [_coupling(dtype), _affine(dtype), _coupling(dtype)]
-    return _built(blocks, None, _x(seed, dtype), seed, dtype, reversible=reversible)
+    return _built(
+        blocks, None, example_input(seed, dtype), seed, dtype, reversible=reversible
+    )
 
 
 def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
@@ -125,7 +132,7 @@ def build_transformer(depth, *, dtype, reversible, compute_dtype=None, seed=0):
             rngs=rngs,
         )
 
-    x = _x(seed, dtype, (BATCH, TIME, MODEL))
+    x = example_input(seed, dtype, (BATCH, TIME, MODEL))
     return _built(
         block, depth, x, seed, dtype, reversible=reversible, compute_dtype=compute_dtype
     )
