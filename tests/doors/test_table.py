@@ -1,4 +1,4 @@
-"""One conformance table for every front door (Haiku, Equinox, Flax NNX).
+"""The cross-door table: every front door (Haiku, Equinox, Flax NNX).
 
 Each door (``tests/doors/adapters/<name>.py``) builds a stack of its framework's own
 additive-coupling blocks with a BatchNorm and dropout in F and G, through its

@@ -1,1 +1,1 @@
-"""Conformance tests ported from the peers' own test suites (oryx, equinox, JAX)."""
+"""Tests ported from the peers' own test suites (oryx, equinox, JAX)."""

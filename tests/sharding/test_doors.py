@@ -1,6 +1,6 @@
 """``activation_sharding`` through every front door, on an 8-device mesh.
 
-The conformance table's sharding row (``tests/doors/test_table.py`` holds the
+The cross-door table's sharding row (``tests/doors/test_table.py`` holds the
 others): each door's stack of couplings, with the stream constrained to
 ``P("data")`` on a 4 x 2 mesh under Auto and Explicit axes, must give the
 loss, the new state and every gradient leaf of the same stack run unsharded

@@ -1,4 +1,4 @@
-"""The front doors of the conformance table (tests/doors/test_table.py).
+"""The front doors of the cross-door table (tests/doors/test_table.py).
 
 Each door is a module ``tests/doors/adapters/<name>.py`` written the way a user of its
 framework would write it, through revnet's public front door, with:

@@ -1,6 +1,6 @@
 """The Equinox front door, ``revnet.eqx``: idiomatic use and its errors.
 
-The conformance rows it shares with Haiku and NNX (BatchNorm, dropout, memory,
+The cross-door rows it shares with Haiku and NNX (BatchNorm, dropout, memory,
 anchors) are in tests/doors/test_table.py.
 """
 

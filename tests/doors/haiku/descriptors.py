@@ -2,7 +2,7 @@
 
 Every entry builds its module (inside a transform) from a ``reversible`` flag,
 says how to call it and how to check a round trip through its inverse. The
-generic checks in ``test_conformance.py`` run over all entries.
+generic checks in ``test_descriptors.py`` run over all entries.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _coupling() -> hk.Module:
 
 # Exported names that have no entry above, each with the reason. A name
 # exported from ``revnet.blocks`` without an entry or a reason fails
-# ``test_conformance.py::test_every_exported_module_is_described``.
+# ``test_descriptors.py::test_every_exported_module_is_described``.
 EXCUSED = {
     "REVNET_RULES": "partition rules for RevNet (tests/sharding/test_mesh.py), not a "
     "module",
