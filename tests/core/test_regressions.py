@@ -474,7 +474,7 @@ def test_library_functions_are_blamed_on_the_users_line():
     with pytest.raises(revnet.NotInvertibleError) as e:
         revnet.invertible(f)(jnp.ones(3))
     line = f.__code__.co_firstlineno + 1
-    assert f"test_invertible_regressions.py:{line}" in str(e.value)
+    assert f"test_regressions.py:{line}" in str(e.value)
     assert "`sort`" in str(e.value)
 
 
