@@ -33,33 +33,38 @@ test-all: $(STAMP_TEST) $(STAMP_EXP)
 
 # The core, loops and blocks suites under JAX's opt-in "next primitive" flags,
 # which reroute jax.custom_vjp, jax.checkpoint and lax.scan to JAX's hijax
-# primitives. A test whose plain JAX reference fails inside JAX under a flag is
-# reported as skipped with JAX's message (tests/next_flags.py). Two passes, to
-# keep CI's time: JAX_CUSTOM_VJP3 with JAX_REMAT3 (as later JAX releases turn
-# them on together), then JAX_SCAN3 alone (under it plain JAX cannot
-# differentiate or vmap some scans, and those tests skip). The Haiku stack's
-# own files stand for tests/doors/haiku (NEXT_TESTS=... tests/doors/haiku for
-# all), and the inverse rules of single primitives (tests/rules), which the
-# flags do not touch, run once in test-all; so do the slow tier's depth-128 memory,
-# exact bytes and depth-32 decision programs (NEXT_MARK="" runs them here too).
+# primitives, compiled with XLA's full optimisations (the other tiers compile
+# without them, tests/conftest.py). A test whose plain JAX reference fails
+# inside JAX under a flag is reported as skipped with JAX's message
+# (tests/next_flags.py). Two passes, to keep CI's time: JAX_CUSTOM_VJP3 with
+# JAX_REMAT3 (as later JAX releases turn them on together) over NEXT_TESTS,
+# then JAX_SCAN3 alone over the suites of scans (NEXT_SCAN_TESTS; under it
+# plain JAX cannot differentiate or vmap some scans, and those tests skip). The
+# Haiku stack's own files stand for tests/doors/haiku, and the inverse rules of
+# single primitives (tests/rules), which the flags do not touch, run once in
+# test-all; so do the slow tier's depth-128 memory, exact bytes and depth-32
+# decision programs (NEXT_MARK="" runs them here too).
 # tests/project/test_next_primitives.py sets each flag itself and runs in test-all.
-NEXT_PASSES ?= JAX_CUSTOM_VJP3=1,JAX_REMAT3=1 JAX_SCAN3=1
 NEXT_TESTS ?= tests/core/test_invertible.py tests/core/test_ivjp.py \
 	tests/engine/test_engine.py tests/engine/test_decisions.py \
 	tests/loops/test_while_loop.py tests/loops/test_scan.py tests/loops/test_modes.py \
 	tests/doors/haiku/test_sequence.py tests/doors/haiku/test_coupling.py
+NEXT_SCAN_TESTS ?= tests/loops/test_scan.py tests/loops/test_modes.py \
+	tests/core/test_invertible.py
 NEXT_MARK ?= not slow
+NEXT_RUN = JAX_DISABLE_MOST_OPTIMIZATIONS=0 $(PY) -m pytest -n 2 -q -rs -m "$(NEXT_MARK)"
 test-next: $(STAMP_TEST)
-	@status=0; for flags in $(NEXT_PASSES); do \
-		echo "== $$flags"; \
-		env $$(echo $$flags | tr , ' ') $(PY) -m pytest -n 2 -q -rs -m "$(NEXT_MARK)" \
-			$(NEXT_TESTS) || status=1; \
-	done; exit $$status
+	@status=0; \
+	echo "== JAX_CUSTOM_VJP3=1 JAX_REMAT3=1"; \
+	JAX_CUSTOM_VJP3=1 JAX_REMAT3=1 $(NEXT_RUN) $(NEXT_TESTS) || status=1; \
+	echo "== JAX_SCAN3=1"; \
+	JAX_SCAN3=1 $(NEXT_RUN) $(NEXT_SCAN_TESTS) || status=1; \
+	exit $$status
 
 demo: $(STAMP_EXP)
 	$(PY) -m benchmarks.run --quick --out results
 
-# Random programs against plain JAX (make test-all runs 3,000 of them): prints the
+# Random programs against plain JAX (make test-all runs 1,000 of them): prints the
 # counts per construct and the first failures; exits 1 if a program was wrong.
 FUZZ_PROGRAMS ?= 20000
 FUZZ_SEED ?= 1

@@ -206,6 +206,7 @@ def _segment_errors(w, b, c, every, reverse=False):
     return np.array(errors)
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("every, n", [(4, 12), (6, 12), (None, 6)])
 @pytest.mark.slow
@@ -442,6 +443,7 @@ def test_while_loop_anchors_follow_the_steps_taken(dtype):
     assert monitor.latest.shape == (3,)  # ceil(7 / 3) anchors of the 17 made
 
 
+@pytest.mark.optimized
 def test_while_loop_drift_matches_the_reconstruction_error():
     w, b = _weights(jnp.float32, n=1)
     c, n = _carry(jnp.float32), 15

@@ -263,6 +263,7 @@ def test_vmap_with_per_element_trip_counts(kind, dtype):
         )
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.slow
 def test_hessian_is_forward_over_reverse(kind):

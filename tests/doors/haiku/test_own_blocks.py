@@ -147,6 +147,7 @@ def test_dropout_is_active_and_replayed_by_the_inverse():
     assert not np.allclose(wrong, x, atol=1e-2)
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("name", ["additive", "affine"])
 def test_inverse_round_trip(name):
     x, params, state = setup(name)
