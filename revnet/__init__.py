@@ -65,6 +65,7 @@ from revnet._engine.runtime_checks import set_runtime_checks
 from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp
+from revnet.logdet import forward_and_log_det
 from revnet.loops import scan, while_loop
 from revnet.marks import decision, kink
 from revnet.stored import StoredGrowthWarning, stored
@@ -80,6 +81,7 @@ __all__ = [
     "StoredGrowthWarning",
     "custom_ivjp",
     "decision",
+    "forward_and_log_det",
     "inverse",
     "invertible",
     "kink",

@@ -25,11 +25,17 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, registry, runtime_checks
+from revnet._engine import analysis, log_det, registry, runtime_checks
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
-from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
+from revnet._engine.interpreter import (
+    Handler,
+    apply_eqn,
+    register_handler,
+    run_plan,
+    vjp_eqn,
+)
 from revnet._engine.plan import Call, Custom
 from revnet._engine.structural import select
 
@@ -255,6 +261,35 @@ def _closure_errors(fn, n_hoisted: int):
         ) from None
 
 
+class _CallTerms(log_det.TermRule):
+    """A nested call adds its body's terms; a function with its own derivative
+    rule (``custom_jvp``/``custom_vjp``) still gives its outputs (and their
+    derivatives) by that rule."""
+
+    evaluates = True
+
+    def has_terms(self, step, eqn):
+        return log_det.has_terms(step.plan, jx.call_body(eqn).jaxpr)
+
+    def evaluate(self, ev, step, eqn, ins):
+        body = jx.call_body(eqn)
+        outs, term = log_det.evaluate(
+            step.plan, body.jaxpr, [*body.consts, *ins], ev.reduce, ev.zero
+        )
+        return (apply_eqn(eqn, ins) if step.custom else outs), term
+
+
+class _CustomTerms(log_det.TermRule):
+    def term(self, ev, step):
+        raise log_det.refusal(
+            ev.jaxpr.eqns[step.eqn],
+            "a custom_ivjp function's inverse is the user's own, and it gives no "
+            "log-determinant",
+        )
+
+
 registry.register_structural(jx.call_primitive_names(), CallRule())
 register_handler(Call, _CallHandler())
 register_handler(Custom, _CustomHandler())
+log_det.register_term_rule(Call, _CallTerms())
+log_det.register_term_rule(Custom, _CustomTerms())

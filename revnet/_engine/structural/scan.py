@@ -12,7 +12,7 @@ values only (``fori_loop``'s counter) is first run forward by a reduced scan
 
 from __future__ import annotations
 
-from revnet._engine import analysis, registry
+from revnet._engine import analysis, log_det, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, register_handler
@@ -171,6 +171,39 @@ class _ScanHandler(Handler):
         return cts
 
 
+class _ScanTerms(log_det.TermRule):
+    """A scan adds its steps' terms, summed in one more carry."""
+
+    evaluates = True
+
+    def has_terms(self, step, eqn):
+        return log_det.has_terms(step.plan, jx.scan_params(eqn).body.jaxpr)
+
+    def evaluate(self, ev, step, eqn, ins):
+        sp = jx.scan_params(eqn)
+        nc, ncar = sp.num_consts, sp.num_carry
+        consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+
+        def body(carry, x):
+            c, total = carry
+            args = [*sp.body.consts, *consts, *c, *x]
+            outs, term = log_det.evaluate(
+                step.plan, sp.body.jaxpr, args, ev.reduce, ev.zero
+            )
+            return (outs[:ncar], total + term), outs[ncar:]
+
+        (final, total), ys = jx.scan(
+            body,
+            (list(init), ev.zero),
+            list(xs),
+            length=sp.length,
+            reverse=sp.reverse,
+            unroll=sp.unroll,
+        )
+        return [*final, *ys], total
+
+
 registry.register_structural(["scan"], ScanRule())
 register_handler(ScanAux, _AuxHandler())
 register_handler(Scan, _ScanHandler())
+log_det.register_term_rule(Scan, _ScanTerms())
