@@ -38,6 +38,7 @@ def forward_and_log_det(
     fun: Callable[..., Any],
     *args: Any,
     known_argnums: int | Sequence[int] = (),
+    batch_ndim: int = 0,
 ) -> tuple[Any, jax.Array]:
     """Returns ``(fun(*args), log|det J|)``, the log-determinant derived from
     ``fun``'s program.
@@ -45,9 +46,14 @@ def forward_and_log_det(
     ``J`` is the Jacobian of the map from the arguments that are not known
     (every floating leaf, flattened) to the outputs: ``fun`` must be a
     bijection that revnet inverts (:func:`revnet.invertible`), with as many
-    output elements as rebuilt input elements. The log-determinant is one
-    scalar for the whole map; for a batch of independent examples, it is the
-    sum of their log-determinants.
+    output elements as rebuilt input elements.
+
+    By default the log-determinant is one scalar for the whole map (for a
+    batch of independent examples, the sum of theirs). With ``batch_ndim=1``
+    (the flow convention) it is one per example, of shape ``[batch]``: the
+    leading ``batch_ndim`` axes of every rebuilt argument are the batch's, and
+    revnet proves from the program that each example's outputs depend on that
+    example alone (a reduction or reshape across the batch axis is refused).
 
     When ``fun`` is decorated with :func:`revnet.invertible`, the result is
     computed by one reversible call with the log-determinant as one more
@@ -69,29 +75,41 @@ def forward_and_log_det(
       *args: its arguments, pytrees of arrays.
       known_argnums: the positions of arguments the map does not act on
         (weights): they are constants of ``J`` and still get gradients.
+      batch_ndim: how many leading axes of the rebuilt arguments are batch
+        axes, with one log-determinant per example; 0 for one scalar.
 
     Returns:
-      ``(outputs, log_det)``, ``log_det`` a scalar in the inputs' floating
-      dtype (at least float32).
+      ``(outputs, log_det)``, ``log_det`` of the batch's shape (a scalar by
+      default) in the inputs' floating dtype (at least float32).
 
     Raises:
       NotInvertibleError: if ``fun`` cannot be inverted, or a step has no
         log-determinant revnet can derive (a ``custom_ivjp`` function, a
         ``shard_map``, an inverse rule registered without ``log_det``): the
         message names the equation and its source line.
-      ValueError: if the map is not square, or a rebuilt input or an output is
-        not floating.
+      ValueError: if the map is not square, a rebuilt input or an output is
+        not floating, or the rebuilt arguments do not share ``batch_ndim``
+        leading axes.
     """
+    if (
+        not isinstance(batch_ndim, int)
+        or isinstance(batch_ndim, bool)
+        or batch_ndim < 0
+    ):
+        raise ValueError(
+            f"forward_and_log_det: batch_ndim must be a non-negative int, got "
+            f"{batch_ndim!r}"
+        )
     options: Any = _Options()
     extra = known_args.argnums(known_argnums, "forward_and_log_det")
     if isinstance(fun, _Invertible):
         options = fun
         known = tuple(sorted({*fun.known_argnums, *extra}))
-        inner = _WithLogDet(fun.fun, known, options)
+        inner = _WithLogDet(fun.fun, known, options, batch_ndim)
         return invertible(
             inner, known_argnums=known, decisions=fun.decisions, kinks=fun.kinks
         )(*args)
-    return _WithLogDet(fun, extra, options)(*args)
+    return _WithLogDet(fun, extra, options, batch_ndim)(*args)
 
 
 class _Options:
@@ -102,8 +120,11 @@ class _WithLogDet:
     """``fun`` returning ``(outputs, log_det)``: the program evaluated with the
     terms of its inversion plan."""
 
-    def __init__(self, fun: Callable[..., Any], known: tuple, options: Any):
+    def __init__(
+        self, fun: Callable[..., Any], known: tuple, options: Any, batch_ndim: int
+    ):
         self.fun, self.known, self.options = fun, known, options
+        self.batch_ndim = batch_ndim
         self.__name__ = getattr(fun, "__name__", "function")
 
     def __call__(self, *args: Any) -> tuple[Any, jax.Array]:
@@ -114,6 +135,8 @@ class _WithLogDet:
         flat_args, in_tree = jax.tree_util.tree_flatten(rest)
         paths = known_args.rebuilt_paths(args, known)
         _check_floating(flat_args, paths, fname)
+        k = self.batch_ndim
+        batch = _batch_shape(flat_args, paths, k, fname) if k else None
 
         def flat_fun(*flat):
             return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
@@ -132,10 +155,14 @@ class _WithLogDet:
                     f"its log-determinant term has rank {jnp.ndim(term)} for an "
                     f"input of rank {len(aval.shape)}",
                 )
-            return jnp.sum(jnp.asarray(term).astype(dtype))
+            term = jnp.asarray(term).astype(dtype)
+            if batch is None:
+                return jnp.sum(term)
+            return jnp.broadcast_to(jnp.sum(term, tuple(range(k, term.ndim))), batch)
 
+        zero = jnp.zeros(batch or (), dtype)
         outs, total = log_det.evaluate(
-            plan, exposed.jaxpr, [*consts, *flat_args], reduce, jnp.zeros((), dtype)
+            plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch
         )
         return jax.tree_util.tree_unflatten(out_tree, outs[:n_out]), total
 
@@ -148,6 +175,20 @@ def _check_floating(flat_args, paths, fname: str) -> None:
                 f"{jnp.result_type(leaf)}; a log-determinant needs floating "
                 "inputs (pass integer arguments in known_argnums)"
             )
+
+
+def _batch_shape(flat_args, paths, k: int, fname: str) -> tuple:
+    """The batch's shape: the leading ``k`` axes every rebuilt leaf shares."""
+    shapes = [tuple(np.shape(leaf)) for leaf in flat_args]
+    batch = shapes[0][:k] if shapes else ()
+    for shape, path in zip(shapes, paths):
+        if len(shape) < k or shape[:k] != batch:
+            raise ValueError(
+                f"forward_and_log_det({fname}): with batch_ndim={k}, every rebuilt "
+                f"argument leads with the batch's axes {batch}, but {path} has "
+                f"shape {shape}"
+            )
+    return batch
 
 
 def _check_square(flat_args, outvars, fname: str) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 
 from revnet._engine import jaxpr as jx
 from revnet._engine import registry
+from revnet._engine.batch_axes import LEADING, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
@@ -106,7 +107,8 @@ class _Solve(TermRule):
         for n in step.unknown:
             with jx.context(eqn):
                 t = rule.term(outs, ins, n, eqn.params, avals)
-            total = ev.add(total, ev.reduce(t, avals[n], eqn))
+            var = ev.wiring.eqn_ins[i][n]
+            total = ev.add(total, ev.reduce_term(t, var, avals[n], eqn))
         return total
 
 
@@ -156,9 +158,7 @@ def needed_steps(plan: Plan, jaxpr: Any) -> list[int]:
     known = {v for v, k in zip(w.invars, plan.known_in) if k}
     known |= {v for v, k in zip(w.outvars, plan.known_out) if k and v is not None}
     shape = _Shape(plan, jaxpr)
-    stack = [
-        plan.producer[v] for v, k in zip(w.invars, plan.known_in) if not k
-    ]
+    stack = [plan.producer[v] for v, k in zip(w.invars, plan.known_in) if not k]
     seen: set[int] = set()
     while stack:
         s = stack.pop()
@@ -180,12 +180,55 @@ class Evaluation:
         input's rank, see :mod:`revnet._engine.registry`) to the
         log-determinant's shape: a scalar, or one value per example.
       zero: the log-determinant's zero.
+      tracker: for per-example log-determinants, the pass that proves which
+        values keep the batch's leading axes (None: one scalar).
+      flags: the tracker's flag of each variable (by wiring id), or None.
     """
 
-    def __init__(self, plan: Plan, jaxpr: Any, reduce: Callable, zero: Any):
+    def __init__(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        reduce: Callable,
+        zero: Any,
+        tracker: Tracker | None = None,
+        in_flags: Sequence[int] | None = None,
+    ):
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
-        self.reduce, self.zero = reduce, zero
+        self.reduce, self.zero, self.tracker = reduce, zero, tracker
+        self.flags = None if tracker is None else tracker.by_id(jaxpr, in_flags)
         self.env: dict = {}
+
+    def reduce_term(self, term: Any, var: int, aval: Any, eqn: Any) -> Any:
+        """The term of the solved variable ``var``, reduced; per example only
+        where the tracker proved that ``var`` keeps the batch's axes."""
+        if self.flags is not None and self.flags[var] != LEADING:
+            raise refusal(
+                eqn,
+                "a per-example log-determinant needs each solved value to keep "
+                "the batch's leading axes, example by example, and this one "
+                "does not (the batch axis is reduced, moved or merged before "
+                "it); pass batch_ndim=0 for one log-determinant of the whole map",
+            )
+        return self.reduce(term, aval, eqn)
+
+    def nested(
+        self, plan: Plan, jaxpr: Any, args: Sequence[Any], in_flags: Sequence[int]
+    ) -> tuple[list, Any]:
+        """:func:`evaluate` for a nested body, its inputs flagged ``in_flags``."""
+        flags = None if self.tracker is None else in_flags
+        return Evaluation(plan, jaxpr, self.reduce, self.zero, self.tracker, flags).run(
+            args
+        )
+
+    def in_flags(self, i: int, n_consts: int = 0) -> list[int]:
+        """Flags of a nested body's inputs: its constants, then equation
+        ``i``'s inputs (unbatched in scalar mode)."""
+        if self.flags is None:
+            return []
+        return [UNBATCHED] * n_consts + [
+            UNBATCHED if v is None else self.flags[v] for v in self.wiring.eqn_ins[i]
+        ]
 
     def read(self, v: int) -> Any:
         return self.env[v]
@@ -241,14 +284,26 @@ class Evaluation:
 
 
 def evaluate(
-    plan: Plan, jaxpr: Any, args: Sequence[Any], reduce: Callable, zero: Any
+    plan: Plan,
+    jaxpr: Any,
+    args: Sequence[Any],
+    reduce: Callable,
+    zero: Any,
+    batch: tuple | None = None,
 ) -> tuple[list, Any]:
     """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
     outputs and the log-determinant of the map from ``plan``'s unknown inputs
     to its outputs (see :class:`Evaluation` for ``reduce`` and ``zero``).
 
+    With ``batch`` (the batch's shape), the unknown inputs lead with the
+    batch's axes and the log-determinant is one per example.
+
     Raises:
       LogDetError: for a step whose term revnet cannot derive, naming its
         equation and source line.
     """
-    return Evaluation(plan, jaxpr, reduce, zero).run(args)
+    tracker = in_flags = None
+    if batch is not None:
+        tracker = Tracker(tuple(batch))
+        in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
+    return Evaluation(plan, jaxpr, reduce, zero, tracker, in_flags).run(args)

@@ -50,6 +50,7 @@ from revnet.rules.layout import LAYOUT
 from revnet.rules.linalg import check_dot_general, dot_general, dot_general_term
 from revnet.rules.sharding import SHARDING
 
+
 def _term(ld: Callable[[Any, Any], Any] | int) -> Callable[..., Any] | int:
     return 0 if isinstance(ld, int) else unary_term(ld)
 
@@ -58,7 +59,9 @@ def _term(ld: Callable[[Any, Any], Any] | int) -> Callable[..., Any] | int:
 # function, 0 where the term is zero, None where there is none).
 TABLE: dict[
     str,
-    tuple[InverseRuleFn, Callable[..., None] | None, bool, Callable[..., Any] | int | None],
+    tuple[
+        InverseRuleFn, Callable[..., None] | None, bool, Callable[..., Any] | int | None
+    ],
 ] = {
     **{name: (fn, check, True, ld) for name, (fn, check, ld) in ARITHMETIC.items()},
     **{name: (unary(inv), None, True, _term(ld)) for name, (inv, ld) in UNARY.items()},

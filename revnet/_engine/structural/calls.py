@@ -273,8 +273,11 @@ class _CallTerms(log_det.TermRule):
 
     def evaluate(self, ev, step, eqn, ins):
         body = jx.call_body(eqn)
-        outs, term = log_det.evaluate(
-            step.plan, body.jaxpr, [*body.consts, *ins], ev.reduce, ev.zero
+        outs, term = ev.nested(
+            step.plan,
+            body.jaxpr,
+            [*body.consts, *ins],
+            ev.in_flags(step.eqn, len(body.consts)),
         )
         return (apply_eqn(eqn, ins) if step.custom else outs), term
 

@@ -247,7 +247,8 @@ class _SelectTerms(log_det.TermRule):
         if total is None:
             return None
         eqn = eqns[step.eqn]
-        return ev.reduce(total, jx.aval(eqn.outvars[0]), eqn)
+        out = w.eqn_outs[step.eqn][0]
+        return ev.reduce_term(total, out, jx.aval(eqn.outvars[0]), eqn)
 
 
 registry.register_structural(["select_n"], SelectRule())
