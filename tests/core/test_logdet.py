@@ -115,7 +115,8 @@ def _cases():
             "per-example layout": (
                 lambda x: (
                     jnp.reshape(
-                        jnp.transpose(x.reshape(3, 2, 2), (0, 2, 1))[:, ::-1], (3, 4)
+                        jnp.transpose(x.reshape(-1, 2, 2), (0, 2, 1))[:, ::-1],
+                        (x.shape[0], 4),
                     )
                     * 1.5
                 ),
