@@ -59,15 +59,21 @@ def forward_and_log_det(
     computed by one reversible call with the log-determinant as one more
     output, so its gradient costs memory that does not grow with depth.
 
-    Example::
+    Example:
 
-        def coupling(w, x):
-            a, b = jnp.split(x, 2, -1)
-            s = jnp.tanh(a @ w)
-            return jnp.concatenate([a, b * jnp.exp(s) + s], -1)
-
-        y, ld = revnet.forward_and_log_det(coupling, w, x, known_argnums=0)
-        # ld == sum(tanh(a @ w)) == slogdet(jax.jacfwd(...))[1]
+    >>> import jax.numpy as jnp, revnet
+    >>> def coupling(w, x):
+    ...     a, b = jnp.split(x, 2, -1)
+    ...     s = jnp.tanh(a @ w)
+    ...     return jnp.concatenate([a, b * jnp.exp(s) + s], -1)
+    >>> w, x = 0.5 * jnp.eye(2), jnp.ones((3, 4))
+    >>> y, ld = revnet.forward_and_log_det(
+    ...     coupling, w, x, known_argnums=0, batch_ndim=1
+    ... )
+    >>> ld.shape
+    (3,)
+    >>> bool(jnp.allclose(ld, jnp.sum(jnp.tanh(x[:, :2] @ w), -1)))
+    True
 
     Args:
       fun: the function, or a function decorated with
@@ -162,7 +168,7 @@ class _WithLogDet:
 
         zero = jnp.zeros(batch or (), dtype)
         outs, total = log_det.evaluate(
-            plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch
+            plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch, n_out
         )
         return jax.tree_util.tree_unflatten(out_tree, outs[:n_out]), total
 

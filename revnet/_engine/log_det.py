@@ -29,7 +29,7 @@ from typing import Any
 
 from revnet._engine import jaxpr as jx
 from revnet._engine import registry
-from revnet._engine.batch_axes import LEADING, UNBATCHED, Tracker
+from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
@@ -290,13 +290,16 @@ def evaluate(
     reduce: Callable,
     zero: Any,
     batch: tuple | None = None,
+    n_out: int | None = None,
 ) -> tuple[list, Any]:
     """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
     outputs and the log-determinant of the map from ``plan``'s unknown inputs
     to its outputs (see :class:`Evaluation` for ``reduce`` and ``zero``).
 
     With ``batch`` (the batch's shape), the unknown inputs lead with the
-    batch's axes and the log-determinant is one per example.
+    batch's axes and the log-determinant is one per example; the first
+    ``n_out`` outputs (all by default) must each depend on their own example
+    only.
 
     Raises:
       LogDetError: for a step whose term revnet cannot derive, naming its
@@ -305,5 +308,33 @@ def evaluate(
     tracker = in_flags = None
     if batch is not None:
         tracker = Tracker(tuple(batch))
+        n_out = len(jaxpr.outvars) if n_out is None else n_out
         in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
+        _check_per_example(tracker, jaxpr, in_flags, n_out)
     return Evaluation(plan, jaxpr, reduce, zero, tracker, in_flags).run(args)
+
+
+def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
+    """Refuses a program whose first ``n_out`` outputs are not each a function
+    of their own example: its Jacobian is not block diagonal by example. Names
+    the first equation that mixes examples on the way to such an output."""
+    flags, outs = tracker.run(jaxpr, in_flags)
+    bad = [v for v, f in zip(jaxpr.outvars[:n_out], outs) if f == MIXED]
+    if not bad:
+        return
+    reach = {v for v in bad if not jx.is_literal(v)}
+    for eqn in reversed(jaxpr.eqns):  # the equations leading to them
+        if any(v in reach for v in eqn.outvars):
+            reach.update(v for v in eqn.invars if not jx.is_literal(v))
+    for eqn in jaxpr.eqns:
+        if not any(v in reach for v in eqn.outvars):
+            continue
+        ins = [UNBATCHED if jx.is_literal(v) else flags[v] for v in eqn.invars]
+        if MIXED not in ins and any(flags.get(v) == MIXED for v in eqn.outvars):
+            raise refusal(
+                eqn,
+                "a per-example log-determinant needs each example's outputs to "
+                "depend on that example alone, and this equation mixes the "
+                "batch's examples (or moves their axis from the front); pass "
+                "batch_ndim=0 for one log-determinant of the whole map",
+            )

@@ -1,6 +1,8 @@
 """revnet.forward_and_log_det: the log-determinant derived from the program,
 checked against ``slogdet(jax.jacfwd(flattened map))`` in float64 on CPU."""
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -395,7 +397,9 @@ def test_per_example_refuses_programs_that_mix_examples(f):
     with jax.enable_x64(True):
         x = _x()
         derived(f, (), x)  # one scalar is fine
-        with pytest.raises(revnet.NotInvertibleError, match="batch's leading axes"):
+        with pytest.raises(
+            revnet.NotInvertibleError, match="mixes the batch's examples.*batch_ndim=0"
+        ):
             revnet.forward_and_log_det(f, x, batch_ndim=1)
 
 
@@ -442,3 +446,12 @@ def test_batch_ndim_is_checked():
             revnet.forward_and_log_det(
                 lambda a, b: (jnp.exp(a), b * 2.0), x, x[:2], batch_ndim=1
             )
+
+
+def test_docstring_example_runs():
+    tests = doctest.DocTestFinder().find(revnet.forward_and_log_det, globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= 4 and result.failed == 0

@@ -283,11 +283,32 @@ class _CallTerms(log_det.TermRule):
 
 
 class _CustomTerms(log_det.TermRule):
+    """A ``custom_ivjp`` function's log-determinant is the user's own
+    (``deflogdet``): a scalar, or one value per example."""
+
     def term(self, ev, step):
+        eqn = ev.jaxpr.eqns[step.eqn]
+        fn = jx.tag_of(eqn)
+        ins = [ev.read_in(step.eqn, n) for n in range(len(eqn.invars))]
+        args = jax.tree_util.tree_unflatten(step.in_tree, ins[step.n_hoisted :])
+        with _closure_errors(fn, step.n_hoisted):
+            t = fn.log_det(tuple(args))
+        if t is None:
+            raise log_det.refusal(
+                eqn,
+                f"custom_ivjp function {fn.__name__!r} has no log-determinant; "
+                "give it one with deflogdet",
+            )
+        t = jax.numpy.asarray(t).astype(ev.zero.dtype)
+        if t.shape == ev.zero.shape:
+            return t
+        if ev.flags is None:
+            return jax.numpy.sum(t)
         raise log_det.refusal(
-            ev.jaxpr.eqns[step.eqn],
-            "a custom_ivjp function's inverse is the user's own, and it gives no "
-            "log-determinant",
+            eqn,
+            f"the log-determinant of custom_ivjp function {fn.__name__!r} has shape "
+            f"{t.shape}; with batch_ndim it is one per example, of shape "
+            f"{ev.zero.shape}",
         )
 
 
