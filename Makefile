@@ -69,9 +69,10 @@ demo: $(STAMP_EXP)
 FUZZ_PROGRAMS ?= 20000
 FUZZ_SEED ?= 1
 FUZZ_JOBS ?= 2
+FUZZ_LOG_DETS ?= 2000
 fuzz: $(STAMP_TEST)
 	$(PY) -m tests.fuzz --programs $(FUZZ_PROGRAMS) --seed $(FUZZ_SEED) \
-		--jobs $(FUZZ_JOBS)
+		--jobs $(FUZZ_JOBS) --log-dets $(FUZZ_LOG_DETS)
 
 lint: $(STAMP_TEST)
 	$(PY) -m pip install -q ruff

@@ -15,6 +15,11 @@ The core:
 * :class:`NotInvertibleError` is raised at trace time, naming the primitive,
   the input that cannot be recovered and your source line.
 
+Flows: :func:`forward_and_log_det` returns a function's outputs and
+``log|det J|``, derived from the program (one per example with
+``batch_ndim=1``); inside :func:`invertible` its gradient costs memory flat in
+depth.
+
 Loops: :func:`while_loop` and :func:`scan` differentiate any body in reverse
 mode, with ``mode="auto"`` (the default), ``"invert"``, ``"store"`` or
 ``"checkpoint"``, and ``anchor_every=k`` to store the carry every ``k``
@@ -37,7 +42,8 @@ O(1)-memory stack of your own blocks), the RevNet family,
 
 README.md, section by section: "Quick start", "What can be inverted" (with
 "Decisions are stored", "What is stored" and "Values that cannot be
-inverted"), "Haiku models", "Loops", "Numerical accuracy", "Scaling out" and
+inverted"), "Haiku models", "Loops", "Normalizing flows", "Numerical
+accuracy", "Scaling out" and
 "Limits". Every Python block there runs on its own.
 
 Example:
@@ -65,6 +71,7 @@ from revnet._engine.runtime_checks import set_runtime_checks
 from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp
+from revnet.logdet import forward_and_log_det
 from revnet.loops import scan, while_loop
 from revnet.marks import decision, kink
 from revnet.stored import StoredGrowthWarning, stored
@@ -80,6 +87,7 @@ __all__ = [
     "StoredGrowthWarning",
     "custom_ivjp",
     "decision",
+    "forward_and_log_det",
     "inverse",
     "invertible",
     "kink",

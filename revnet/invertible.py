@@ -120,6 +120,33 @@ def _refuse(jaxpr, n_consts, n_args, args, known, paths, fname) -> None:
         raise NotInvertibleError(f"{head}\n{hint}") from None
 
 
+def exposed_plan(
+    jaxpr: Any, n_consts: int, args: tuple, known, paths, fname: str, options: Any
+) -> tuple[Any, Plan]:
+    """The program with its stored decisions exposed, and the plan inverting it.
+
+    ``options`` has the ``decisions`` and ``kinks`` to use. Raises the user's
+    :class:`NotInvertibleError` when the program cannot be inverted.
+    """
+    n_args = len(jaxpr.invars) - n_consts
+    rebuilt = [False] * n_consts + [True] * n_args
+    kw = dict(decisions=options.decisions, kinks=options.kinks)
+    exposed = expose(jaxpr, rebuilt, **kw)
+    try:
+        return exposed, _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
+    except NotInvertibleError:
+        # A continuous select on the inverted path is solved with its
+        # predicate known: store those predicates too.
+        strict = expose(jaxpr, rebuilt, **kw, soft=False)
+        try:
+            return strict, _plan(strict.jaxpr, n_consts, n_args, paths, fname)
+        except NotInvertibleError:
+            # The program's own refusal names its equation, not the one that
+            # stores a decision.
+            _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
+            raise
+
+
 class _Invertible:
     def __init__(
         self,
@@ -151,24 +178,9 @@ class _Invertible:
         def again(flat_fun, flat_args):
             jaxpr, program, consts, tree = trace_program(flat_fun, flat_args)
             out_tree.append(tree)
-            n_consts, n_args = len(consts), len(flat_args)
-            rebuilt = [False] * n_consts + [True] * n_args
-            options = dict(decisions=self.decisions, kinks=self.kinks)
-            exposed = expose(jaxpr, rebuilt, **options)
-            try:
-                plan = _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
-            except NotInvertibleError:
-                # A continuous select on the inverted path is solved with its
-                # predicate known: store those predicates too.
-                strict = expose(jaxpr, rebuilt, **options, soft=False)
-                try:
-                    plan = _plan(strict.jaxpr, n_consts, n_args, paths, fname)
-                except NotInvertibleError:
-                    # The program's own refusal names its equation, not the
-                    # one that stores a decision.
-                    _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
-                    raise
-                exposed = strict
+            exposed, plan = exposed_plan(
+                jaxpr, len(consts), args, known, paths, fname, self
+            )
             # The plan is cached by structure; the call closes over this
             # trace's jaxpr (its rules and nested constants).
             return reversible_call.call(

@@ -96,6 +96,7 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         self.num_consts = num_consts
         self.inverse_fn: Callable[..., Any] | None = None
         self.ivjp_fn: Callable[..., Any] | None = None
+        self.log_det_fn: Callable[..., Any] | None = None
         self.__name__ = getattr(fun, "__name__", "custom_ivjp")
         self.__doc__ = getattr(fun, "__doc__", None)
         # (in_tree, flat input shapes and dtypes) -> the _Signature of the calls
@@ -116,6 +117,19 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         returns it."""
         self.ivjp_fn = ivjp
         return ivjp
+
+    def deflogdet(self, log_det: Callable[..., Any]) -> Callable[..., Any]:
+        """Sets ``log_det(*args)``, the log-determinant of the function's map
+        from its inputs after the constants to its outputs, for
+        :func:`revnet.forward_and_log_det`: a scalar, or one value per example
+        (of the batch's shape) for ``batch_ndim``. Returns it."""
+        self.log_det_fn = log_det
+        return log_det
+
+    def log_det(self, args: tuple) -> Any:
+        """The user's log-determinant at the positional arguments ``args``, or
+        None when none was given."""
+        return None if self.log_det_fn is None else self.log_det_fn(*args)
 
     # The pieces the interpreters use (through a call's _Signature, which
     # gives ``n_args``). ``consts`` is a tuple (maybe empty).

@@ -20,6 +20,7 @@ from revnet._engine import (
     kept,
     known_args,
     layout,  # noqa: F401  (registers: the convolution evaluator)
+    log_det,
     perturbed,
     registry,
     reversible_call,
@@ -97,6 +98,7 @@ __all__ = [
     "kept",
     "known_args",
     "leaf_paths",
+    "log_det",
     "choose",
     "not_invertible",
     "perturbed",

@@ -63,6 +63,11 @@ def register_handler(step_type: type, handler: Handler) -> None:
     _HANDLERS[step_type] = handler
 
 
+def step_needs(it: Any, step: Any) -> list[int | None]:
+    """The variable ids ``step`` reads; ``it`` needs only ``wiring``/``jaxpr``."""
+    return _HANDLERS[type(step)].needs(it, step)
+
+
 def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     """Evaluates ``eqn`` on ``ins``, through its primitive's evaluator if any."""
     fn = registry.evaluator(jx.primitive_name(eqn))
@@ -210,7 +215,7 @@ class Interpreter:
             self.done.add(s)
 
     def needs(self, step: Any) -> list[int | None]:
-        return _HANDLERS[type(step)].needs(self, step)
+        return step_needs(self, step)
 
     def run(self, step: Any, out_cts: list | None) -> list | None:
         """Runs one step; fused steps given ``out_cts`` also return input cts."""

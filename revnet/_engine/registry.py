@@ -9,13 +9,26 @@ One table holds two kinds of rule, looked up by primitive name:
   so that ``select_n``'s cases can be inverted position by position) and
   ``takes_avals`` (the rule declares a keyword argument ``in_avals``, and is
   given the abstract values, shapes and dtypes, of all the equation's
-  inputs: the only way to know the shape of an unknown input).
+  inputs: the only way to know the shape of an unknown input), and
+  ``log_det``, the equation's term of the log-determinant (see below).
 * :class:`StructuralRule`, for equations solved by looking beyond one
   equation: nested calls, ``scan``, ``select_n``, covering ``slice``\\ s,
   ``custom_vjp`` calls and revnet's own loops. Its ``analyze`` hook is called
   by the analysis and returns a plan step, which the interpreter runs through
   the handler the same module registers. Its ``positionwise`` hook says
   whether the equation may lie on a ``select_n`` case's chain.
+
+**Log-determinant terms.** Ordered as the plan solves them, a program's
+equations factor its Jacobian into triangular blocks, so ``log|det J|`` is the
+sum over the solved equations of ``log|det d(outputs)/d(solved input)|``
+(:mod:`revnet._engine.log_det`). A rule's ``log_det`` gives that term:
+``log_det(outs, ins, unknown, **params)`` with every value known (the forward
+pass's) and ``unknown`` the position of the input the rule solves. It returns
+an array of the solved input's rank; an axis of size 1 where the input's is
+longer means the term already sums over that axis (``dot_general``'s
+``slogdet`` per row). ``0`` marks a rule whose term is zero (additions of a
+known value, layout ops); a rule without one has no log-determinant, and a
+log-determinant that needs it is refused.
 
 :func:`register_inverse` is the public way to add a primitive's inverse;
 :func:`names` and :func:`get` list the table. Every change bumps
@@ -32,6 +45,7 @@ from typing import Any
 from revnet._engine.sharding import cast_like
 
 InverseRuleFn = Callable[..., Sequence[Any]]
+LogDetFn = Callable[..., Any]
 
 
 def _takes_avals(fn: Callable[..., Any] | None) -> bool:
@@ -60,6 +74,8 @@ class InverseRule:
         the same position.
       takes_avals: whether ``solve``/``check`` take ``in_avals``, the abstract
         values of all the equation's inputs (detected from their signatures).
+      log_det: the equation's log-determinant term (see the module's
+        docstring), ``0`` where it is zero, or None where there is none.
     """
 
     name: str
@@ -67,6 +83,7 @@ class InverseRule:
     check: Callable[..., None] | None = None
     elementwise: bool = False
     takes_avals: bool = False
+    log_det: LogDetFn | int | None = None
     structural = False
 
     def __call__(self, outs: Sequence[Any], ins: Sequence[Any], params, in_avals):
@@ -83,6 +100,18 @@ class InverseRule:
                 for r, x, a in zip(result, ins, in_avals)
             ]
         return result
+
+    @property
+    def volume_preserving(self) -> bool:
+        """Whether the rule's log-determinant term is zero."""
+        return _is_zero(self.log_det)
+
+    def term(self, outs, ins, unknown: int, params, in_avals) -> Any:
+        """The log-determinant term for input ``unknown`` (None where zero)."""
+        if self.log_det is None or self.volume_preserving:
+            return None
+        extra = {"in_avals": list(in_avals)} if _takes_avals(self.log_det) else {}
+        return self.log_det(list(outs), list(ins), unknown, **params, **extra)
 
     def run_check(self, statics: Sequence[Any], params, in_avals) -> None:
         if self.check is not None:
@@ -147,17 +176,29 @@ def register(
     check: Callable[..., None] | None = None,
     *,
     elementwise: bool = False,
+    log_det: LogDetFn | int | None = None,
 ) -> InverseRule:
     """Registers (or replaces) a primitive's inverse rule, with its properties."""
     if not callable(solve):
         raise TypeError(f"register_inverse expects a callable rule, got {solve!r}")
     if check is not None and not callable(check):
         raise TypeError(f"register_inverse expects a callable check, got {check!r}")
+    if not (log_det is None or callable(log_det) or _is_zero(log_det)):
+        raise TypeError(
+            f"register_inverse expects log_det to be a callable, 0 or None, got "
+            f"{log_det!r}"
+        )
     name = _primitive_name(primitive)
-    rule = InverseRule(name, solve, check, bool(elementwise), _takes_avals(solve))
+    rule = InverseRule(
+        name, solve, check, bool(elementwise), _takes_avals(solve), log_det
+    )
     _RULES[name] = rule
     _VERSION[0] += 1
     return rule
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x == 0
 
 
 def register_structural(names: Sequence[str], rule: StructuralRule) -> None:
@@ -179,6 +220,7 @@ def register_inverse(
     check: Callable[..., None] | None = None,
     *,
     elementwise: bool = False,
+    log_det: LogDetFn | int | None = None,
 ) -> None:
     """Registers (or replaces) the inverse rule of ``primitive``.
 
@@ -210,12 +252,20 @@ def register_inverse(
       elementwise: whether output element ``k`` depends on input element ``k``
         only (and the rule solves position by position), so that the rule may
         be used inside the cases of ``jnp.where``.
+      log_det: the equation's term of the log-determinant, for
+        :func:`revnet.forward_and_log_det`: ``log_det(outs, ins, unknown,
+        **params)``, called with every input known and ``unknown`` the
+        position of the input ``rule`` solves, returns ``log|d out/d in|``
+        per element of that input (an array of its rank; an axis of size 1
+        sums over that axis). ``0`` says the term is zero (a volume-preserving
+        map). Without it, a log-determinant through this primitive is refused.
 
     Raises:
       TypeError: if ``primitive`` is neither a primitive nor a name, or
-        ``rule`` or ``check`` is not callable.
+        ``rule``, ``check`` or ``log_det`` is not callable (``log_det`` may
+        also be ``0``).
     """
-    register(primitive, rule, check, elementwise=elementwise)
+    register(primitive, rule, check, elementwise=elementwise, log_det=log_det)
 
 
 def get(name: str) -> Any:

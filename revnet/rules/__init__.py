@@ -20,6 +20,11 @@ and vmap like any JAX code. The families follow ``jax.lax``, one module each:
   ``psum`` has no inverse: it is only evaluated forward, on known inputs (a
   tensor-parallel reduction inside F).
 
+Each rule carries its term of the log-determinant
+(:func:`revnet.forward_and_log_det`): ``log|f'(x)|`` for a bijection, ``log|k|``
+for a known factor, ``slogdet`` of a known matrix per row, zero for sums of
+known values, layout ops and ``cumsum``; ``all_gather`` has none.
+
 :data:`TABLE` lists every rule with its properties; :func:`register_all` puts
 them in the engine's registry. Structural rules (nested calls, ``scan``,
 ``select_n``, covering slices, ``shard_map``) live in the engine itself.
@@ -28,6 +33,7 @@ them in the engine's registry. Structural rules (nested calls, ``scan``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from revnet._engine import InverseRuleFn, registry
 from revnet.rules.arithmetic import ARITHMETIC
@@ -36,29 +42,42 @@ from revnet.rules.elementwise import (
     convert_element_type,
     cumsum,
     integer_pow,
+    integer_pow_term,
     unary,
+    unary_term,
 )
 from revnet.rules.layout import LAYOUT
-from revnet.rules.linalg import check_dot_general, dot_general
+from revnet.rules.linalg import check_dot_general, dot_general, dot_general_term
 from revnet.rules.sharding import SHARDING
 
-# name -> (rule, trace-time check, elementwise).
-TABLE: dict[str, tuple[InverseRuleFn, Callable[..., None] | None, bool]] = {
-    **{name: (fn, check, True) for name, (fn, check) in ARITHMETIC.items()},
-    **{name: (unary(inv), None, True) for name, inv in UNARY.items()},
-    "integer_pow": (integer_pow, None, True),
-    "convert_element_type": (convert_element_type, None, True),
-    "cumsum": (cumsum, None, False),
-    **{name: (fn, None, False) for name, fn in LAYOUT.items()},
-    "dot_general": (dot_general, check_dot_general, False),
-    **{name: (fn, None, False) for name, fn in SHARDING.items()},
+
+def _term(ld: Callable[[Any, Any], Any] | int) -> Callable[..., Any] | int:
+    return 0 if isinstance(ld, int) else unary_term(ld)
+
+
+# name -> (rule, trace-time check, elementwise, log-determinant term: a
+# function, 0 where the term is zero, None where there is none).
+TABLE: dict[
+    str,
+    tuple[
+        InverseRuleFn, Callable[..., None] | None, bool, Callable[..., Any] | int | None
+    ],
+] = {
+    **{name: (fn, check, True, ld) for name, (fn, check, ld) in ARITHMETIC.items()},
+    **{name: (unary(inv), None, True, _term(ld)) for name, (inv, ld) in UNARY.items()},
+    "integer_pow": (integer_pow, None, True, integer_pow_term),
+    "convert_element_type": (convert_element_type, None, True, 0),
+    "cumsum": (cumsum, None, False, 0),
+    **{name: (fn, None, False, 0) for name, fn in LAYOUT.items()},
+    "dot_general": (dot_general, check_dot_general, False, dot_general_term),
+    **{name: (fn, None, False, ld) for name, (fn, ld) in SHARDING.items()},
 }
 
 
 def register_all() -> None:
     """Registers every rule of :data:`TABLE` in the engine's registry."""
-    for name, (fn, check, elementwise) in TABLE.items():
-        registry.register(name, fn, check, elementwise=elementwise)
+    for name, (fn, check, elementwise, log_det) in TABLE.items():
+        registry.register(name, fn, check, elementwise=elementwise, log_det=log_det)
 
 
 register_all()

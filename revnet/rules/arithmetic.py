@@ -1,5 +1,6 @@
 """Arithmetic: ``add``, ``sub``, ``neg``, ``mul``, ``div`` (with trace-time
-checks refusing a constant zero factor)."""
+checks refusing a constant zero factor), and their log-determinant terms:
+zero for sums, ``log|k|`` for a factor ``k``."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ def _neg(outs, ins, **params):
     return [-outs[0]]
 
 
+# Log-determinant terms (see revnet._engine.registry): log|d y / d operand|.
+def _log_abs(x: Any, shape: Any) -> Any:
+    return jnp.broadcast_to(jnp.log(jnp.abs(x)), shape)
+
+
+def _mul_term(outs, ins, unknown, **params):
+    return _log_abs(ins[1 - unknown], jnp.shape(ins[unknown]))
+
+
+def _div_term(outs, ins, unknown, **params):
+    num, den = ins
+    if unknown == 0:  # y = x / k
+        return -_log_abs(den, jnp.shape(num))
+    # y = k / x: |dy/dx| = |k| / x**2
+    return _log_abs(num, jnp.shape(den)) - 2.0 * jnp.log(jnp.abs(den))
+
+
 def _has_zero(x: Any) -> bool:
     return x is not None and bool(np.any(np.asarray(x) == 0))
 
@@ -67,11 +85,12 @@ def _check_div(statics, **params):
         raise NotInvertibleError("a constant zero divided by a value loses the value")
 
 
+# name -> (rule, trace-time check, log-determinant term).
 ARITHMETIC = {
-    "add": (_add, None),
-    "add_any": (_add, None),
-    "sub": (_sub, None),
-    "neg": (_neg, None),
-    "mul": (_mul, _check_mul),
-    "div": (_div, _check_div),
+    "add": (_add, None, 0),
+    "add_any": (_add, None, 0),
+    "sub": (_sub, None, 0),
+    "neg": (_neg, None, 0),
+    "mul": (_mul, _check_mul, _mul_term),
+    "div": (_div, _check_div, _div_term),
 }

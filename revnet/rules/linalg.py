@@ -1,4 +1,5 @@
-"""Linear algebra: ``dot_general`` with a known square matrix, solved."""
+"""Linear algebra: ``dot_general`` with a known square matrix, solved; its
+log-determinant term is the matrix's ``slogdet`` per row."""
 
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ def dot_general(outs, ins, *, dimension_numbers, in_avals, **params):
     x_flat = jnp.linalg.solve(a.T, flat.T).T
     x_moved = x_flat.reshape((*batch_shape, n)).astype(x_aval.dtype)
     return with_value(ins, i, jnp.moveaxis(x_moved, -1, cx))
+
+
+def dot_general_term(outs, ins, unknown, *, dimension_numbers, **params):
+    """``slogdet`` of the known matrix, once for each row it multiplies.
+
+    The term keeps the unknown's shape with its contracted axis of size 1: the
+    value is computed once per call and broadcast, not once per row.
+    """
+    (lc, rc), _ = dimension_numbers
+    x, m = ins[unknown], ins[1 - unknown]
+    cx = (lc if unknown == 0 else rc)[0]
+    solve_dtype = jnp.promote_types(m.dtype, jnp.float32)
+    _, logabsdet = jnp.linalg.slogdet(m.astype(solve_dtype))
+    shape = list(x.shape)
+    shape[cx] = 1
+    return jnp.broadcast_to(logabsdet.astype(x.dtype), shape)
 
 
 def check_dot_general(statics, **params):

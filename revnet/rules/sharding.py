@@ -88,11 +88,14 @@ def _all_to_all(
     return [lax.all_to_all(outs[0], axis_name, concat_axis, split_axis, tiled=True)]
 
 
+# name -> (rule, log-determinant term). A per-device permutation of values
+# (``ppermute``, ``all_to_all``) preserves volume; ``all_gather`` copies a slice
+# to every device, which has no log-determinant.
 SHARDING = {
-    "sharding_constraint": _same_value,
-    "reshard": _same_value,
-    "pvary": _same_value,
-    "ppermute": _ppermute,
-    "all_gather": _all_gather,
-    "all_to_all": _all_to_all,
+    "sharding_constraint": (_same_value, 0),
+    "reshard": (_same_value, 0),
+    "pvary": (_same_value, 0),
+    "ppermute": (_ppermute, 0),
+    "all_gather": (_all_gather, None),
+    "all_to_all": (_all_to_all, 0),
 }

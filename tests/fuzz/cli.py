@@ -5,6 +5,7 @@ import multiprocessing
 import time
 
 import tests.fuzz
+from tests.fuzz import log_dets
 from tests.fuzz.constructs import CONSTRUCTS
 from tests.fuzz.report import Report, run
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="print failures as found")
     p.add_argument("--list", action="store_true", help="list the constructs")
     p.add_argument("--timing", action="store_true", help="CPU ms per construct")
+    p.add_argument(
+        "--log-dets", type=int, default=0, help="random flows checked for log-dets"
+    )
     ns = p.parse_args(argv)
     if ns.list:
         for c in CONSTRUCTS.values():
@@ -57,4 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if report.failures:
         print("\nFailures (first of each construct, shrunk):")
         print(report.failures_text(ns.failures))
-    return 1 if report.total["wrong"] else 0
+    wrong = report.total["wrong"]
+    if ns.log_dets:
+        counts, failures = log_dets.run(ns.log_dets, ns.seed)
+        print(f"\n{ns.log_dets} random flows, log-dets against slogdet(jacfwd):")
+        print(log_dets.table(counts))
+        print("\n".join(failures[: ns.failures * 5]))
+        wrong += counts["wrong"]
+    return 1 if wrong else 0

@@ -12,6 +12,7 @@ import pytest
 
 import revnet
 from tests import fuzz as fz
+from tests.fuzz import log_dets
 from tests.helpers import tolerance
 
 pytestmark = pytest.mark.slow  # thousands of random programs
@@ -191,3 +192,30 @@ def test_ties_catch_recomputed_decisions_and_kinks(name):
         feature_weights=weights,
     )
     assert report.total["wrong"] >= 1, report.table()
+
+
+# Random flows against slogdet(jacfwd): CI's time bounds the count here; make
+# fuzz checks 2,000 (FUZZ_LOG_DETS).
+LOG_DET_PROGRAMS = 200
+
+
+def test_random_log_dets():
+    counts, failures = log_dets.run(LOG_DET_PROGRAMS, seed=3)
+    print("\n" + log_dets.table(counts))
+    assert counts["wrong"] == 0, "\n".join(failures[:5])
+    assert counts["ok"] + counts["refused"] + counts["skipped"] == LOG_DET_PROGRAMS
+    assert counts["skipped"] <= LOG_DET_PROGRAMS // 20, counts["skipped"]
+    rare = [n for n in log_dets.LAYERS if counts[n, "ok"] < 5]
+    assert not rare, f"layers checked too rarely: {rare}"
+
+
+def test_log_det_checker_catches_a_wrong_log_det():
+    """A log-determinant off by 1e-6 (relative 1e-7 or so) is caught."""
+
+    def off(*args, **kw):
+        y, ld = revnet.forward_and_log_det(*args, **kw)
+        return y, ld + 1e-6
+
+    counts, failures = log_dets.run(10, seed=4, log_det=off)
+    assert counts["ok"] == 0 and counts["wrong"] > 0, counts
+    assert all("slogdet(jacfwd)" in f for f in failures), failures

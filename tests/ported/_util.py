@@ -13,9 +13,6 @@ from tests.helpers import tolerance
 
 # Relative tolerances for gradients rebuilt by inversion (DESIGN.md, "Tolerances").
 
-# The reason every log-det-Jacobian test is skipped with.
-ILDJ = "revnet computes inverses and inverse VJPs, not log-determinants"
-
 
 def dtypes():
     """float32 and float64, each with the context it needs."""

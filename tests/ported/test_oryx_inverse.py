@@ -9,7 +9,7 @@ which returns a tuple of the inputs; oryx's ``custom_inverse`` becomes
 ``revnet.custom_ivjp``. Beyond oryx's checks, every function revnet inverts is
 also checked for ``jax.grad`` through ``revnet.invertible`` against plain
 ``jax.grad``, elementwise, in float32 and float64. oryx's log-det-Jacobian
-(ILDJ) features are out of scope.
+(ILDJ) tests run on ``revnet.forward_and_log_det``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax import lax
 import revnet
 from revnet import NotInvertibleError
 
-from ._util import ILDJ, assert_tree_allclose, check_round_trip_and_grad, dtypes
+from ._util import assert_tree_allclose, check_round_trip_and_grad, dtypes
 
 DTYPES = pytest.mark.parametrize("dtype,ctx", dtypes(), ids=["f32", "f64"])
 
@@ -159,7 +159,7 @@ def test_advanced_inverse_three(dtype, ctx):
 @DTYPES
 def test_lower_triangular_jacobian_inverse(dtype, ctx):
     # inverse_test.py::test_lower_triangular_jacobian (the inverse half; the
-    # ILDJ half is out of scope)
+    # ILDJ half is test_lower_triangular_jacobian_ildj)
     def f(x, y):
         return x + 2.0, jnp.exp(x) + y
 
@@ -339,27 +339,197 @@ def test_pow_as_custom_ivjp(dtype, ctx):
         check_round_trip_and_grad(lambda y: pow_right(two, y), _a([-0.5, 1.5], dtype))
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "test_simple_ildj",
-        "test_mul_inverse_ildj",
-        "test_div_inverse_ildj",
-        "test_lower_triangular_jacobian (ILDJ half)",
-        "test_inverse_of_jit (ILDJ half)",
-        "test_integer_pow_ildj",
-        "test_reciprocal_ildj",
-        "test_pow_ildj",
-        "test_sqrt_ildj",
-        "test_sigmoid_ildj (ILDJ half)",
-        "test_logit_ildj (ILDJ half)",
-        "test_softplus_inverse_ildj (ILDJ half)",
-        "custom_inverse_test.py::test_unary_ildj",
-    ],
-)
-def test_ildj(name):
-    # inverse_test.py / custom_inverse_test.py: every log-det-Jacobian check.
-    pytest.skip(ILDJ)
+# --------------------------------------------------------------------------- #
+# The log-det-Jacobian tests (ILDJ): oryx's ``core.ildj(f, *example)(y)`` is
+# log|det d f^{-1}/dy| at y, minus revnet.forward_and_log_det at the rebuilt
+# input. Where oryx compares with a sign (``slogdet(...)[0]``) or with TFP's
+# bijectors, the port compares with the closed form TFP computes.
+
+
+def _inverse_and_ildj(f, *example):
+    """oryx's ``core.inverse_and_ildj(f, *example)``."""
+    inv = revnet.inverse(f, *example)
+
+    def go(*ys):
+        xs = inv(ys[0] if len(ys) == 1 else ys)
+        _, ld = revnet.forward_and_log_det(f, *xs)
+        return (xs[0] if len(xs) == 1 else xs), -ld
+
+    return go
+
+
+def _ildj(f, *example):
+    """oryx's ``core.ildj(f, *example)``."""
+    return lambda *ys: _inverse_and_ildj(f, *example)(*ys)[1]
+
+
+@DTYPES
+def test_simple_ildj(dtype, ctx):
+    # inverse_test.py::test_simple_ildj
+    with ctx():
+        np.testing.assert_allclose(
+            _ildj(jnp.exp, _a(0.1, dtype))(_a(2.0, dtype)), -np.log(2.0), rtol=1e-6
+        )
+        got = _ildj(jnp.exp, jnp.zeros(2, dtype))(2 * jnp.ones(2, dtype))
+        np.testing.assert_allclose(got, -2 * np.log(2.0), rtol=1e-6)
+
+
+@DTYPES
+def test_mul_inverse_ildj(dtype, ctx):
+    # inverse_test.py::test_mul_inverse_ildj
+    with ctx():
+        for f in (lambda x: x * 2, lambda x: 2 * x):
+            x, ildj = _inverse_and_ildj(f, _a(1.0, dtype))(_a(2.0, dtype))
+            np.testing.assert_allclose(x, 1.0)
+            want = -np.log(np.abs(jax.jacrev(f)(_a(1.0, dtype))))
+            np.testing.assert_allclose(ildj, want, atol=1e-6, rtol=1e-6)
+
+
+@DTYPES
+def test_div_inverse_ildj(dtype, ctx):
+    # inverse_test.py::test_div_inverse_ildj
+    with ctx():
+        f = lambda x: x / 2  # noqa: E731
+        x, ildj = _inverse_and_ildj(f, _a(2.0, dtype))(_a(2.0, dtype))
+        np.testing.assert_allclose(x, 4.0)
+        want = -np.log(np.abs(jax.jacrev(f)(_a(4.0, dtype))))
+        np.testing.assert_allclose(ildj, want, atol=1e-6, rtol=1e-6)
+        f2 = lambda x: 3.0 / x  # noqa: E731
+        x, ildj = _inverse_and_ildj(f2, _a(2.0, dtype))(_a(2.0, dtype))
+        np.testing.assert_allclose(x, 1.5, rtol=1e-6)
+        want = -np.log(np.abs(jax.jacrev(f2)(_a(1.5, dtype))))
+        np.testing.assert_allclose(ildj, want, atol=1e-6, rtol=1e-6)
+
+
+def test_lower_triangular_jacobian_ildj():
+    # inverse_test.py::test_lower_triangular_jacobian (the ILDJ half). oryx
+    # compares with -log|slogdet(J)[0]|, the determinant's sign; the Jacobian
+    # [[1, 0], [exp(x), 1]] has determinant 1, so the ILDJ is 0 either way.
+    def f(x, y):
+        return x + 2.0, jnp.exp(x) + y
+
+    def f_vec(v):
+        return jnp.array([v[0] + 2.0, jnp.exp(v[0]) + v[1]])
+
+    (x, y), ildj = _inverse_and_ildj(f, _a(0.0), _a(0.0))(
+        _a(3.0), jnp.exp(_a(1.0)) + 1.0
+    )
+    np.testing.assert_allclose((x, y), (1.0, 1.0), rtol=1e-6)
+    want = -jnp.linalg.slogdet(jax.jacrev(f_vec)(jnp.ones(2)))[1]
+    np.testing.assert_allclose(ildj, want, atol=1e-6, rtol=1e-6)
+
+
+def test_inverse_of_jit_ildj():
+    # inverse_test.py::test_inverse_of_jit (the ILDJ half)
+    def f(x):
+        return jax.jit(lambda x: x)(x) / 2.0
+
+    def f2(x):
+        return jax.jit(lambda x: 3.0 / x)(x)
+
+    x, ildj = _inverse_and_ildj(f, _a(2.0))(_a(2.0))
+    np.testing.assert_allclose(x, 4.0)
+    np.testing.assert_allclose(ildj, -np.log(0.5), atol=1e-6, rtol=1e-6)
+    x, ildj = _inverse_and_ildj(f2, _a(2.0))(_a(2.0))
+    np.testing.assert_allclose(x, 1.5, rtol=1e-6)
+    want = -np.log(np.abs(jax.jacrev(f2)(_a(1.5))))
+    np.testing.assert_allclose(ildj, want, atol=1e-6, rtol=1e-6)
+
+
+def test_integer_pow_ildj():
+    # inverse_test.py::test_integer_pow_ildj. tfb.Power(3).ildj(y) is
+    # -log|3 x**2| at x = y**(1/3); the even power is refused (see
+    # test_integer_pow_even_is_refused), where oryx takes the positive root.
+    got = _ildj(lambda x: lax.integer_pow(x, 3), _a(1.0))(_a(2.0))
+    x = 2.0 ** (1 / 3)
+    np.testing.assert_allclose(got, -np.log(3 * x**2), rtol=1e-6)
+    with pytest.raises(NotInvertibleError, match="even power"):
+        _ildj(lambda x: lax.integer_pow(x, 2), _a(1.0))(_a(2.0))
+
+
+def test_reciprocal_ildj():
+    # inverse_test.py::test_reciprocal_ildj
+    got = _ildj(jnp.reciprocal, _a(1.0))(_a(2.0))
+    np.testing.assert_allclose(got, np.log(1 / 4.0), rtol=1e-6)
+
+
+def test_sqrt_ildj():
+    # inverse_test.py::test_sqrt_ildj
+    got = _ildj(jnp.sqrt, _a(1.0))(_a(3.0))
+    np.testing.assert_allclose(got, np.log(2.0) + np.log(3.0), rtol=1e-6)
+
+
+def test_sigmoid_ildj():
+    # inverse_test.py::test_sigmoid_ildj (the ILDJ half), near 1 where the
+    # naive form loses precision: tfb.Sigmoid().ildj(y) = -log(y (1 - y)).
+    y = _a(0.9999)
+    want = -(np.log(0.9999) + np.log1p(-0.9999))
+    np.testing.assert_allclose(_ildj(jax.nn.sigmoid, y)(y), want, rtol=1e-4)
+
+
+def test_logit_ildj_of_the_inverse_sigmoid():
+    # inverse_test.py::test_logit_ildj (the ILDJ half): the ILDJ of logit at
+    # y is the forward log-det of sigmoid at y, tfb.Sigmoid().fldj(-100) =
+    # -softplus(100) - softplus(-100). revnet cannot invert
+    # jax.scipy.special.logit (test_logit_inverse), so the same quantity is
+    # taken as the log-det of its inverse, sigmoid, at -100: one forward pass.
+    _, ld = revnet.forward_and_log_det(jax.nn.sigmoid, _a(-100.0))
+    want = -(np.logaddexp(0.0, 100.0) + np.logaddexp(0.0, -100.0))
+    np.testing.assert_allclose(ld, want, rtol=1e-6)
+
+
+@DTYPES
+def test_softplus_ildj_as_custom_ivjp(dtype, ctx):
+    # inverse_test.py::test_softplus_inverse_ildj (the ILDJ half), with oryx's
+    # softplus rule through custom_ivjp: its log-det is the user's (deflogdet),
+    # log sigmoid(x); tfb.Softplus().ildj(y) = -log(-expm1(-y)).
+    softplus = revnet.custom_ivjp(jax.nn.softplus)
+    softplus.definverse(lambda y: y + jnp.log(-jnp.expm1(-y)))
+    softplus.deflogdet(lambda x: jnp.sum(jax.nn.log_sigmoid(x)))
+    with ctx():
+        y = _a(0.1, dtype)
+        got = _ildj(lambda x: softplus(x), y)(y)
+        np.testing.assert_allclose(got, -np.log(-np.expm1(-0.1)), rtol=1e-5)
+
+
+@DTYPES
+def test_pow_ildj_as_custom_ivjp(dtype, ctx):
+    # inverse_test.py::test_pow_ildj, with oryx's pow rules as custom_ivjp
+    # (see test_pow_as_custom_ivjp) and their log-dets given by deflogdet:
+    # x ** c has log|c x**(c-1)|, c ** y has log|log(c) c**y|.
+    pow_left = revnet.custom_ivjp(lambda c, x: lax.pow(x, c), num_consts=1)
+    pow_left.definverse(lambda c, z: lax.pow(z, 1.0 / c[0]))
+    pow_left.deflogdet(lambda c, x: jnp.log(jnp.abs(c * x ** (c - 1))))
+    pow_right = revnet.custom_ivjp(lambda c, y: lax.pow(c, y), num_consts=1)
+    pow_right.definverse(lambda c, z: jnp.log(z) / jnp.log(c[0]))
+    pow_right.deflogdet(lambda c, y: jnp.log(jnp.abs(jnp.log(c))) + y * jnp.log(c))
+    with ctx():
+        two = _a(2.0, dtype)
+        got = _ildj(lambda x: pow_left(two, x), two)(_a(3.0, dtype))
+        # tfb.Power(2).ildj(3) = -log|2 sqrt(3)|
+        np.testing.assert_allclose(got, -np.log(2 * np.sqrt(3.0)), rtol=1e-5)
+        f = lambda y: pow_right(two, y)  # noqa: E731
+        y = _inv1(f, two, _a(3.0, dtype))
+        got = _ildj(f, two)(_a(3.0, dtype))
+        np.testing.assert_allclose(got, -np.log(np.abs(jax.grad(f)(y))), rtol=1e-5)
+
+
+def test_unary_ildj():
+    # custom_inverse_test.py::test_unary_ildj: a custom inverse with its own
+    # ILDJ, used inside a larger function (oryx's def_inverse_and_ildj).
+    @revnet.custom_ivjp
+    def add_one(x):
+        return x + 1.0
+
+    add_one.definverse(lambda y: y - 1.0)
+    add_one.deflogdet(lambda x: jnp.zeros(()) + 3.0)  # deliberately not 0
+    np.testing.assert_allclose(_ildj(add_one, _a(1.0))(_a(2.0)), -3.0)
+    got = _ildj(lambda x: 2.0 * add_one(x), _a(1.0))(_a(4.0))
+    np.testing.assert_allclose(got, -3.0 - np.log(2.0), rtol=1e-6)
+    with pytest.raises(NotInvertibleError, match="deflogdet"):
+        no_log_det = revnet.custom_ivjp(lambda x: x + 1.0)
+        no_log_det.definverse(lambda y: y - 1.0)
+        revnet.forward_and_log_det(lambda x: no_log_det(x), _a(1.0))
 
 
 @pytest.mark.skip(

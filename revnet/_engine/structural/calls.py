@@ -25,11 +25,17 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, registry, runtime_checks
+from revnet._engine import analysis, log_det, registry, runtime_checks
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
-from revnet._engine.interpreter import Handler, register_handler, run_plan, vjp_eqn
+from revnet._engine.interpreter import (
+    Handler,
+    apply_eqn,
+    register_handler,
+    run_plan,
+    vjp_eqn,
+)
 from revnet._engine.plan import Call, Custom
 from revnet._engine.structural import select
 
@@ -255,6 +261,59 @@ def _closure_errors(fn, n_hoisted: int):
         ) from None
 
 
+class _CallTerms(log_det.TermRule):
+    """A nested call adds its body's terms; a function with its own derivative
+    rule (``custom_jvp``/``custom_vjp``) still gives its outputs (and their
+    derivatives) by that rule."""
+
+    evaluates = True
+
+    def has_terms(self, step, eqn):
+        return log_det.has_terms(step.plan, jx.call_body(eqn).jaxpr)
+
+    def evaluate(self, ev, step, eqn, ins):
+        body = jx.call_body(eqn)
+        outs, term = ev.nested(
+            step.plan,
+            body.jaxpr,
+            [*body.consts, *ins],
+            ev.in_flags(step.eqn, len(body.consts)),
+        )
+        return (apply_eqn(eqn, ins) if step.custom else outs), term
+
+
+class _CustomTerms(log_det.TermRule):
+    """A ``custom_ivjp`` function's log-determinant is the user's own
+    (``deflogdet``): a scalar, or one value per example."""
+
+    def term(self, ev, step):
+        eqn = ev.jaxpr.eqns[step.eqn]
+        fn = jx.tag_of(eqn)
+        ins = [ev.read_in(step.eqn, n) for n in range(len(eqn.invars))]
+        args = jax.tree_util.tree_unflatten(step.in_tree, ins[step.n_hoisted :])
+        with _closure_errors(fn, step.n_hoisted):
+            t = fn.log_det(tuple(args))
+        if t is None:
+            raise log_det.refusal(
+                eqn,
+                f"custom_ivjp function {fn.__name__!r} has no log-determinant; "
+                "give it one with deflogdet",
+            )
+        t = jax.numpy.asarray(t).astype(ev.zero.dtype)
+        if t.shape == ev.zero.shape:
+            return t
+        if ev.flags is None:
+            return jax.numpy.sum(t)
+        raise log_det.refusal(
+            eqn,
+            f"the log-determinant of custom_ivjp function {fn.__name__!r} has shape "
+            f"{t.shape}; with batch_ndim it is one per example, of shape "
+            f"{ev.zero.shape}",
+        )
+
+
 registry.register_structural(jx.call_primitive_names(), CallRule())
 register_handler(Call, _CallHandler())
 register_handler(Custom, _CustomHandler())
+log_det.register_term_rule(Call, _CallTerms())
+log_det.register_term_rule(Custom, _CustomTerms())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from revnet._engine import jaxpr as jx
-from revnet._engine import registry, runtime_checks
+from revnet._engine import log_det, registry, runtime_checks
 from revnet._engine.analysis import Analysis, abstract_solve
 from revnet._engine.errors import NotInvertibleError, degenerate
 from revnet._engine.interpreter import Handler, register_handler
@@ -199,5 +199,58 @@ class _SelectHandler(Handler):
         return None
 
 
+class _SelectTerms(log_det.TermRule):
+    """Each position adds the terms of the case chain its predicates pick."""
+
+    def has_terms(self, step, eqn):
+        for _, chain in step.branches:
+            for _, name, _ in chain:
+                rule = registry.get(name)
+                if name != "select_n" and (
+                    rule.structural or not rule.volume_preserving
+                ):
+                    return True
+        return False
+
+    def term(self, ev, step):
+        w, eqns = ev.wiring, ev.jaxpr.eqns
+        pred = ev.read_in(step.eqn, 0)
+        total = None
+        for pos, chain in step.branches:
+            where = pred == pos - 1
+            leaf = None
+            for j, name, u in chain:
+                e = eqns[j]
+                if name == "select_n":
+                    where = where & (ev.read_in(j, 0) == u - 1)
+                    continue
+                rule = registry.get(name)
+                if rule.structural:
+                    raise log_det.refusal(
+                        e, "a nested call or scan on a case of select_n"
+                    )
+                if rule.volume_preserving:
+                    continue
+                if rule.log_det is None:
+                    raise log_det.refusal(
+                        e, "its inverse rule gives no log-determinant term"
+                    )
+                ins = [ev.read_in(j, n) for n in range(len(e.invars))]
+                outs = [ev.read(o) for o in w.eqn_outs[j]]
+                avals = [jx.aval(v) for v in e.invars]
+                with jx.context(e):
+                    t = rule.term(outs, ins, u, e.params, avals)
+                leaf = t if leaf is None else leaf + t
+            if leaf is not None:
+                picked = jnp.where(where, leaf, jnp.zeros((), leaf.dtype))
+                total = picked if total is None else total + picked
+        if total is None:
+            return None
+        eqn = eqns[step.eqn]
+        out = w.eqn_outs[step.eqn][0]
+        return ev.reduce_term(total, out, jx.aval(eqn.outvars[0]), eqn)
+
+
 registry.register_structural(["select_n"], SelectRule())
 register_handler(Select, _SelectHandler())
+log_det.register_term_rule(Select, _SelectTerms())

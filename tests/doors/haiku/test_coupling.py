@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import revnet
 from revnet import blocks
 from tests.doors.haiku.descriptors import additive, mlp
 
@@ -28,6 +29,15 @@ def test_affine_log_det_matches_jacobian(scale):
     # Large output weights make the scales reach their bounds.
     params = jax.tree.map(lambda p: (4 if scale else 8) * p, params)
     _, log_det = model.apply(params, None, x)
+    # The hand-written log-det is the one revnet derives from the program.
+    _, derived = revnet.forward_and_log_det(
+        lambda p, v: model.apply(p, None, v)[0],
+        params,
+        x,
+        known_argnums=0,
+        batch_ndim=1,
+    )
+    np.testing.assert_allclose(log_det, derived, rtol=1e-5, atol=1e-5)
     for i in range(x.shape[0]):
         single = lambda v: model.apply(params, None, v[None])[0][0]  # noqa: E731
         sign, expected = jnp.linalg.slogdet(jax.jacfwd(single)(x[i]))

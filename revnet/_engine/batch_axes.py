@@ -1,0 +1,230 @@
+"""Which values of a program keep its leading batch axes, example by example.
+
+A per-example log-determinant sums each solved value's terms over all but its
+leading ``k`` axes, which is right only where element ``[b, ...]`` of that
+value depends on example ``b`` alone. This pass proves it from the program,
+forward, marking each variable
+
+* :data:`UNBATCHED`: it reads no batched value (weights, constants);
+* :data:`LEADING`: its leading ``k`` axes are the batch's, and each example's
+  slice reads only that example;
+* :data:`MIXED`: anything else (a reduction over the batch axis, a reshape
+  that merges it, a primitive this pass cannot read).
+
+An equation keeps :data:`LEADING` when the axes its params name (``axes``,
+``dimension``, ``permutation``, ``dimension_numbers``, ...) leave the leading
+``k`` alone, or when it names no axes and maps each position of its batched
+inputs to the same position of its outputs (elementwise and ``select_n``).
+A param this pass does not know makes the result :data:`MIXED`: the pass can
+refuse a per-example log-determinant, never give a wrong one. Nested calls,
+``scan`` (the carry to a fixed point) and ``cond`` are read through their
+bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from revnet._engine import jaxpr as jx
+
+UNBATCHED, LEADING, MIXED = 0, 1, 2
+
+# Params that say nothing about axes.
+_HARMLESS = frozenset(
+    {
+        "accuracy",
+        "new_dtype",
+        "weak_type",
+        "sharding",
+        "out_sharding",
+        "out_dtype",
+        "y",
+        "precision",
+        "preferred_element_type",
+        "exponent_bits",
+        "mantissa_bits",
+        "layout",
+        "context_mesh",
+        "unconstrained_dims",
+        "dst_sharding",
+        "axis_name",
+    }
+)
+
+
+def _join(flags: Sequence[int]) -> int:
+    return max(flags, default=UNBATCHED)
+
+
+def _leading(shape: Sequence[int], batch: tuple) -> bool:
+    return tuple(shape[: len(batch)]) == batch
+
+
+def _free(axes: Any, k: int) -> bool:
+    """Whether the axes ``axes`` (an int or ints) all lie past the batch's."""
+    if axes is None:
+        return True
+    if isinstance(axes, int):
+        axes = (axes,)
+    return all(int(a) >= k for a in axes)
+
+
+def _dot_general(eqn, flags, k) -> bool:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lead = tuple(range(k))
+    lf, rf = flags
+    if lf == LEADING and rf == LEADING:
+        return tuple(lb[:k]) == lead and tuple(rb[:k]) == lead
+    if lf == LEADING:
+        if tuple(lb[:k]) == lead:
+            return True
+        return not lb and _free(lc, k)
+    # The output leads with the batch dimensions, then the lhs's free ones.
+    return tuple(rb[:k]) == lead and len(lb) >= k
+
+
+def _conv(eqn, flags, k) -> bool:
+    dn = eqn.params["dimension_numbers"]
+    return (
+        k == 1
+        and flags[1] == UNBATCHED
+        and dn.lhs_spec[0] == 0
+        and dn.out_spec[0] == 0
+        and eqn.params.get("batch_group_count", 1) == 1
+    )
+
+
+def _by_params(eqn, flags, k) -> bool:
+    """Whether an equation with batched inputs keeps the leading axes."""
+    p = eqn.params
+    name = jx.primitive_name(eqn)
+    if name == "dot_general":
+        return _dot_general(eqn, flags, k)
+    if name == "conv_general_dilated":
+        return _conv(eqn, flags, k)
+    if name == "transpose":
+        return tuple(p["permutation"][:k]) == tuple(range(k))
+    if name == "broadcast_in_dim":
+        return tuple(p["broadcast_dimensions"][:k]) == tuple(range(k))
+    if name == "reshape":
+        return p.get("dimensions") is None
+    if name in ("slice", "pad", "dynamic_slice", "gather", "scatter"):
+        return _untouched(eqn, k)
+    keys = set(p) - _HARMLESS
+    axis_keys = {"axes", "axis", "dimension", "dimensions"}
+    if keys <= axis_keys | {"reverse", "index_dtype", "is_stable", "num_keys", "sizes"}:
+        return all(_free(p[a], k) for a in keys & axis_keys)
+    return False
+
+
+def _untouched(eqn, k) -> bool:
+    """A slice or pad that leaves the leading axes whole."""
+    name, p = jx.primitive_name(eqn), eqn.params
+    shape = jx.aval(eqn.invars[0]).shape
+    if name == "slice":
+        strides = p.get("strides") or (1,) * len(shape)
+        return all(
+            p["start_indices"][a] == 0
+            and p["limit_indices"][a] == shape[a]
+            and strides[a] == 1
+            for a in range(k)
+        )
+    if name == "pad":
+        return all(tuple(c) == (0, 0, 0) for c in p["padding_config"][:k])
+    if name == "dynamic_slice":
+        return tuple(p["slice_sizes"][:k]) == tuple(shape[:k])
+    return False
+
+
+class Tracker:
+    """Flags the variables of one jaxpr (by the plan's wiring ids)."""
+
+    def __init__(self, batch: tuple):
+        self.batch, self.k = batch, len(batch)
+
+    def by_id(self, jaxpr: Any, in_flags: Sequence[int]) -> list[int]:
+        """The flag of each variable, indexed as in the plan's wiring."""
+        flags, _ = self.run(jaxpr, in_flags)
+        ids = [flags[v] for v in jaxpr.invars]
+        for e in jaxpr.eqns:
+            ids.extend(flags[v] for v in e.outvars if not jx.is_dropvar(v))
+        return ids
+
+    def run(self, jaxpr: Any, in_flags: Sequence[int]) -> tuple[dict, list[int]]:
+        """``(flags by variable, flags of the outputs)``."""
+        flags: dict = dict(zip(jaxpr.invars, in_flags))
+
+        def flag(a):
+            return UNBATCHED if jx.is_literal(a) else flags[a]
+
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [flag(a) for a in eqn.invars])
+            for v, f in zip(eqn.outvars, outs):
+                if not jx.is_dropvar(v):
+                    flags[v] = f
+        return flags, [flag(a) for a in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, in_flags: list[int]) -> list[int]:
+        n_out = len(eqn.outvars)
+        worst = _join(in_flags)
+        if worst != LEADING:
+            return [worst] * n_out
+        nested = self._nested(eqn, in_flags)
+        if nested is not None:
+            return nested
+        shapes_ok = all(
+            _leading(jx.aval(a).shape, self.batch)
+            for a, f in zip(eqn.invars, in_flags)
+            if f == LEADING
+        ) and all(_leading(jx.aval(v).shape, self.batch) for v in eqn.outvars)
+        if not shapes_ok:
+            return [MIXED] * n_out
+        keys = set(eqn.params) - _HARMLESS
+        if not keys:  # no axes named: position to position
+            same = all(
+                tuple(jx.aval(a).shape) == tuple(jx.aval(eqn.outvars[0]).shape)
+                for a, f in zip(eqn.invars, in_flags)
+                if f == LEADING
+            )
+            return [LEADING if same else MIXED] * n_out
+        return [LEADING if _by_params(eqn, in_flags, self.k) else MIXED] * n_out
+
+    def _nested(self, eqn: Any, in_flags: list[int]) -> list[int] | None:
+        sp = jx.scan_params(eqn)
+        if sp is not None:
+            return self._scan(sp, in_flags)
+        branches = jx.cond_branches(eqn)
+        if branches is not None:
+            if in_flags[0] != UNBATCHED:
+                return [MIXED] * len(eqn.outvars)
+            outs = [self._body(b, in_flags[1:]) for b in branches]
+            return [_join(f) for f in zip(*outs)]
+        body = jx.call_body(eqn)
+        if body is not None and jx.primitive_name(eqn) != "shard_map":
+            return self._body(body, in_flags)
+        if jx.primitive_name(eqn) in ("while", "shard_map"):
+            return [MIXED] * len(eqn.outvars)
+        return None
+
+    def _body(self, body: Any, in_flags: Sequence[int]) -> list[int]:
+        n = len(body.consts)
+        return self.run(body.jaxpr, [UNBATCHED] * n + list(in_flags))[1]
+
+    def _scan(self, sp: Any, in_flags: list[int]) -> list[int]:
+        nc, ncar = sp.num_consts, sp.num_carry
+        consts, carry, xs = (
+            in_flags[:nc],
+            in_flags[nc : nc + ncar],
+            in_flags[nc + ncar :],
+        )
+        # The time axis leads a scanned input: a batched one is not per example.
+        xs = [MIXED if f == LEADING else f for f in xs]
+        for _ in range(ncar + 1):  # the carry's flags only rise
+            outs = self._body(sp.body, [*consts, *carry, *xs])
+            new = [max(a, b) for a, b in zip(carry, outs[:ncar])]
+            if new == carry:
+                break
+            carry = new
+        ys = [MIXED if f == LEADING else f for f in outs[ncar:]]
+        return [*carry, *ys]

@@ -1,0 +1,340 @@
+"""Log-determinants derived from the inversion plan.
+
+The plan rebuilds a program's unknown inputs from its outputs, each unknown
+solved from one equation whose other inputs are known. Ordered that way, the
+program's Jacobian is block triangular, so
+
+    log|det J| = sum over the plan's solves of log|det d(outputs)/d(solved)|,
+
+each term local to one equation. The terms come from the rules
+(:class:`~revnet._engine.registry.InverseRule`'s ``log_det``: ``log|f'(x)|``
+for a bijection, ``log|k|`` for a known factor, ``slogdet`` of a known matrix
+per row, zero for sums of known values and layout ops) and from the steps of
+the structural rules, which register a :class:`TermRule` here: a nested call
+sums its body's terms, a ``scan`` the terms of its steps, a ``select_n`` the
+picked case's. A step type without one (``shard_map``, a ``custom_ivjp``
+function) is refused.
+
+:func:`evaluate` runs a program forward and adds up the terms of the steps the
+inverse would take, from the forward values: the result is plain JAX, so it
+differentiates, batches and runs backwards (inside ``@revnet.invertible``)
+like the rest of the program. Only the steps that rebuild the unknown inputs
+count; equations evaluated forward add nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from revnet._engine import jaxpr as jx
+from revnet._engine import registry
+from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
+from revnet._engine.errors import NotInvertibleError
+from revnet._engine.interpreter import apply_eqn, step_needs
+from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
+
+
+class LogDetError(NotInvertibleError):
+    """A program revnet inverts whose log-determinant it cannot derive."""
+
+
+def refusal(eqn: Any, reason: str) -> LogDetError:
+    """The one-line refusal for equation ``eqn``, naming its source line."""
+    where = jx.where(eqn)
+    at = f" at {where}" if where else ""
+    return LogDetError(
+        f"no log-determinant for `{jx.primitive_name(eqn)}`{at}: {reason}"
+    )
+
+
+class TermRule:
+    """How one plan step type adds to the log-determinant.
+
+    Attributes:
+      evaluates: whether :meth:`evaluate` runs the step's equation (a nested
+        call, a scan: the terms are computed inside it); otherwise
+        :meth:`term` reads the forward values.
+    """
+
+    evaluates = False
+
+    def has_terms(self, step: Any, eqn: Any) -> bool:
+        """Whether the step may add a non-zero term (False: skip it)."""
+        return True
+
+    def evaluate(self, ev: Evaluation, step: Any, eqn: Any, ins: list) -> tuple:
+        """``(outputs, term or None)`` of the step's equation on ``ins``."""
+        raise NotImplementedError
+
+    def term(self, ev: Evaluation, step: Any) -> Any:
+        """The step's reduced term (see :meth:`Evaluation.reduce`), or None."""
+        raise NotImplementedError
+
+
+_RULES: dict[type, TermRule] = {}
+
+
+def register_term_rule(step_type: type, rule: TermRule) -> None:
+    """Makes ``rule`` give the log-determinant terms of ``step_type`` steps."""
+    _RULES[step_type] = rule
+
+
+class _Zero(TermRule):
+    def has_terms(self, step, eqn):
+        return False
+
+    def term(self, ev, step):
+        return None
+
+
+class _Solve(TermRule):
+    """A primitive's inverse rule: its ``log_det`` for each solved input."""
+
+    def has_terms(self, step, eqn):
+        return not registry.get(step.rule).volume_preserving
+
+    def term(self, ev, step):
+        i = step.eqn
+        eqn = ev.jaxpr.eqns[i]
+        rule = registry.get(step.rule)
+        if rule.log_det is None:
+            raise refusal(eqn, "its inverse rule gives no log-determinant term")
+        ins = [ev.read_in(i, n) for n in range(len(eqn.invars))]
+        outs = [ev.read(v) if v is not None else None for v in ev.wiring.eqn_outs[i]]
+        avals = [jx.aval(v) for v in eqn.invars]
+        total = None
+        for n in step.unknown:
+            with jx.context(eqn):
+                t = rule.term(outs, ins, n, eqn.params, avals)
+            var = ev.wiring.eqn_ins[i][n]
+            total = ev.add(total, ev.reduce_term(t, var, avals[n], eqn))
+        return total
+
+
+register_term_rule(Forward, _Zero())
+register_term_rule(Tile, _Zero())
+register_term_rule(ScanAux, _Zero())
+register_term_rule(Solve, _Solve())
+
+
+def rule_for(step: Any, eqn: Any) -> TermRule:
+    """The term rule of ``step``; a step type without one is refused."""
+    rule = _RULES.get(type(step))
+    if rule is None:
+        raise refusal(
+            eqn,
+            f"revnet derives none through a {type(step).__name__.lower()} step",
+        )
+    return rule
+
+
+def has_terms(plan: Plan, jaxpr: Any) -> bool:
+    """Whether any step rebuilding ``plan``'s unknown inputs adds a term."""
+    for s in needed_steps(plan, jaxpr):
+        step = plan.steps[s]
+        eqn = jaxpr.eqns[_eqn_of(step)] if _eqn_of(step) is not None else None
+        rule = _RULES.get(type(step))
+        if rule is None or rule.has_terms(step, eqn):
+            return True
+    return False
+
+
+def _eqn_of(step: Any) -> int | None:
+    return getattr(step, "eqn", None)
+
+
+class _Shape:
+    """What a handler's ``needs`` reads of an interpreter: the wiring."""
+
+    def __init__(self, plan: Plan, jaxpr: Any):
+        self.wiring, self.jaxpr, self.plan = plan.wiring, jaxpr, plan
+
+
+def needed_steps(plan: Plan, jaxpr: Any) -> list[int]:
+    """The indices of the steps the inverse runs to rebuild the unknown inputs,
+    in the plan's order."""
+    w = plan.wiring
+    known = {v for v, k in zip(w.invars, plan.known_in) if k}
+    known |= {v for v, k in zip(w.outvars, plan.known_out) if k and v is not None}
+    shape = _Shape(plan, jaxpr)
+    stack = [plan.producer[v] for v, k in zip(w.invars, plan.known_in) if not k]
+    seen: set[int] = set()
+    while stack:
+        s = stack.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        step = plan.steps[s]
+        for v in step_needs(shape, step):
+            if v is not None and v not in known and v in plan.producer:
+                stack.append(plan.producer[v])
+    return sorted(seen)
+
+
+class Evaluation:
+    """One forward evaluation of a jaxpr with its log-determinant.
+
+    Attributes:
+      reduce: ``reduce(term, aval, eqn)`` sums a term (an array of the solved
+        input's rank, see :mod:`revnet._engine.registry`) to the
+        log-determinant's shape: a scalar, or one value per example.
+      zero: the log-determinant's zero.
+      tracker: for per-example log-determinants, the pass that proves which
+        values keep the batch's leading axes (None: one scalar).
+      flags: the tracker's flag of each variable (by wiring id), or None.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        reduce: Callable,
+        zero: Any,
+        tracker: Tracker | None = None,
+        in_flags: Sequence[int] | None = None,
+    ):
+        self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
+        self.reduce, self.zero, self.tracker = reduce, zero, tracker
+        self.flags = None if tracker is None else tracker.by_id(jaxpr, in_flags)
+        self.env: dict = {}
+
+    def reduce_term(self, term: Any, var: int, aval: Any, eqn: Any) -> Any:
+        """The term of the solved variable ``var``, reduced; per example only
+        where the tracker proved that ``var`` keeps the batch's axes."""
+        if self.flags is not None and self.flags[var] != LEADING:
+            raise refusal(
+                eqn,
+                "a per-example log-determinant needs each solved value to keep "
+                "the batch's leading axes, example by example, and this one "
+                "does not (the batch axis is reduced, moved or merged before "
+                "it); pass batch_ndim=0 for one log-determinant of the whole map",
+            )
+        return self.reduce(term, aval, eqn)
+
+    def nested(
+        self, plan: Plan, jaxpr: Any, args: Sequence[Any], in_flags: Sequence[int]
+    ) -> tuple[list, Any]:
+        """:func:`evaluate` for a nested body, its inputs flagged ``in_flags``."""
+        flags = None if self.tracker is None else in_flags
+        return Evaluation(plan, jaxpr, self.reduce, self.zero, self.tracker, flags).run(
+            args
+        )
+
+    def in_flags(self, i: int, n_consts: int = 0) -> list[int]:
+        """Flags of a nested body's inputs: its constants, then equation
+        ``i``'s inputs (unbatched in scalar mode)."""
+        if self.flags is None:
+            return []
+        return [UNBATCHED] * n_consts + [
+            UNBATCHED if v is None else self.flags[v] for v in self.wiring.eqn_ins[i]
+        ]
+
+    def read(self, v: int) -> Any:
+        return self.env[v]
+
+    def read_in(self, i: int, n: int) -> Any:
+        v = self.wiring.eqn_ins[i][n]
+        if v is None:
+            return jx.literal_value(self.jaxpr.eqns[i].invars[n])
+        return self.env[v]
+
+    @staticmethod
+    def add(total: Any, term: Any) -> Any:
+        if term is None:
+            return total
+        return term if total is None else total + term
+
+    def run(self, args: Sequence[Any]) -> tuple[list, Any]:
+        """The outputs on ``args`` (every input) and the log-determinant."""
+        w, eqns = self.wiring, self.jaxpr.eqns
+        self.env.update(zip(w.invars, args))
+        steps = [self.plan.steps[s] for s in needed_steps(self.plan, self.jaxpr)]
+        live = []
+        evaluating: dict[int, tuple[TermRule, Any]] = {}
+        for step in steps:
+            i = _eqn_of(step)
+            eqn = eqns[i] if i is not None else None
+            rule = rule_for(step, eqn)
+            if not rule.has_terms(step, eqn):
+                continue
+            if rule.evaluates:
+                evaluating[i] = (rule, step)
+            else:
+                live.append((rule, step))
+        total = None
+        for i, eqn in enumerate(eqns):
+            ins = [self.read_in(i, n) for n in range(len(eqn.invars))]
+            if i in evaluating:
+                rule, step = evaluating[i]
+                outs, term = rule.evaluate(self, step, eqn, ins)
+                total = self.add(total, term)
+            else:
+                outs = apply_eqn(eqn, ins)
+            for v, o in zip(w.eqn_outs[i], outs):
+                if v is not None:
+                    self.env[v] = o
+        for rule, step in live:
+            total = self.add(total, rule.term(self, step))
+        outs = [
+            jx.literal_value(a) if v is None else self.env[v]
+            for v, a in zip(w.outvars, self.jaxpr.outvars)
+        ]
+        return outs, self.zero if total is None else total
+
+
+def evaluate(
+    plan: Plan,
+    jaxpr: Any,
+    args: Sequence[Any],
+    reduce: Callable,
+    zero: Any,
+    batch: tuple | None = None,
+    n_out: int | None = None,
+) -> tuple[list, Any]:
+    """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
+    outputs and the log-determinant of the map from ``plan``'s unknown inputs
+    to its outputs (see :class:`Evaluation` for ``reduce`` and ``zero``).
+
+    With ``batch`` (the batch's shape), the unknown inputs lead with the
+    batch's axes and the log-determinant is one per example; the first
+    ``n_out`` outputs (all by default) must each depend on their own example
+    only.
+
+    Raises:
+      LogDetError: for a step whose term revnet cannot derive, naming its
+        equation and source line.
+    """
+    tracker = in_flags = None
+    if batch is not None:
+        tracker = Tracker(tuple(batch))
+        n_out = len(jaxpr.outvars) if n_out is None else n_out
+        in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
+        _check_per_example(tracker, jaxpr, in_flags, n_out)
+    return Evaluation(plan, jaxpr, reduce, zero, tracker, in_flags).run(args)
+
+
+def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
+    """Refuses a program whose first ``n_out`` outputs are not each a function
+    of their own example: its Jacobian is not block diagonal by example. Names
+    the first equation that mixes examples on the way to such an output."""
+    flags, outs = tracker.run(jaxpr, in_flags)
+    bad = [v for v, f in zip(jaxpr.outvars[:n_out], outs) if f == MIXED]
+    if not bad:
+        return
+    reach = {v for v in bad if not jx.is_literal(v)}
+    for eqn in reversed(jaxpr.eqns):  # the equations leading to them
+        if any(v in reach for v in eqn.outvars):
+            reach.update(v for v in eqn.invars if not jx.is_literal(v))
+    for eqn in jaxpr.eqns:
+        if not any(v in reach for v in eqn.outvars):
+            continue
+        ins = [UNBATCHED if jx.is_literal(v) else flags[v] for v in eqn.invars]
+        if MIXED not in ins and any(flags.get(v) == MIXED for v in eqn.outvars):
+            raise refusal(
+                eqn,
+                "a per-example log-determinant needs each example's outputs to "
+                "depend on that example alone, and this equation mixes the "
+                "batch's examples (or moves their axis from the front); pass "
+                "batch_ndim=0 for one log-determinant of the whole map",
+            )
