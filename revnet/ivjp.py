@@ -207,7 +207,8 @@ class _Signature:
     It holds the ``jax.custom_vjp`` those calls run, whose backward is tagged
     with this object: the engine reads the call's equation through it
     (``num_consts``, ``trees``: flat input shapes -> ``(in_tree, out_tree)``,
-    ``invert(consts, outputs)``, ``ivjp(consts, outputs, cts)``), and both the
+    ``invert(consts, outputs)``, ``ivjp(consts, outputs, cts)``,
+    ``log_det(args)``), and both the
     engine and the backward pass get the call's arity from it, never from the
     function object, which other calls (other threads) share.
     """
@@ -230,6 +231,9 @@ class _Signature:
 
     def ivjp(self, consts: tuple, outputs: Any, cts: Any) -> tuple[tuple, tuple]:
         return self.fn.ivjp(consts, outputs, cts, self.n_args)
+
+    def log_det(self, args: tuple) -> Any:
+        return self.fn.log_det(args)
 
     def _make_vjp_fun(self):
         nc = self.num_consts

@@ -9,8 +9,8 @@
 * A ``custom_ivjp`` function is a ``custom_vjp_call`` whose backward is tagged
   with the function; it is solved by the user's inverse. The engine sees it
   through this protocol only: ``num_consts``, ``trees`` (flat input shapes ->
-  ``(in_tree, out_tree)``), ``invert(consts, outputs)`` and ``ivjp(consts,
-  outputs, cts)``.
+  ``(in_tree, out_tree)``), ``invert(consts, outputs)``, ``ivjp(consts,
+  outputs, cts)`` and ``log_det(args)`` (the user's log-determinant, or None).
 * revnet's ``while_loop`` is refused inside another function: its trip count
   is not one of its outputs. revnet's ``scan`` is solved through its body.
 * JAX's hijax calls (``call_hi_primitive``, under JAX_CUSTOM_VJP3 and
