@@ -69,7 +69,7 @@ demo: $(STAMP_EXP)
 FUZZ_PROGRAMS ?= 20000
 FUZZ_SEED ?= 1
 FUZZ_JOBS ?= 2
-FUZZ_LOG_DETS ?= 2000
+FUZZ_LOG_DETS ?= 10000
 fuzz: $(STAMP_TEST)
 	$(PY) -m tests.fuzz --programs $(FUZZ_PROGRAMS) --seed $(FUZZ_SEED) \
 		--jobs $(FUZZ_JOBS) --log-dets $(FUZZ_LOG_DETS)

@@ -194,20 +194,22 @@ def test_ties_catch_recomputed_decisions_and_kinks(name):
     assert report.total["wrong"] >= 1, report.table()
 
 
-# Random flows against slogdet(jacfwd): CI's time bounds the count here; make
-# fuzz checks 2,000 (FUZZ_LOG_DETS).
-LOG_DET_PROGRAMS = 200
+# Random flows against slogdet(jacfwd): 2,000 in two shards here; make fuzz
+# checks 10,000 (FUZZ_LOG_DETS).
+LOG_DET_SHARDS = 2
+LOG_DET_PROGRAMS = 1000
 
 
-def test_random_log_dets():
-    counts, failures = log_dets.run(LOG_DET_PROGRAMS, seed=3)
-    print("\n" + log_dets.table(counts))
+@pytest.mark.parametrize("shard", range(LOG_DET_SHARDS))
+def test_random_log_dets(shard):
+    counts, failures = log_dets.run(LOG_DET_PROGRAMS, seed=3 + shard)
+    print(f"\nlog-det shard {shard}:\n" + log_dets.table(counts))
     assert counts["wrong"] == 0, "\n".join(failures[:5])
     assert counts["ok"] + counts["refused"] + counts["skipped"] == LOG_DET_PROGRAMS
-    # Chains of cubes and sinh overflow, or saturate a tanh until the
-    # reference's Jacobian underflows, in about 5% of the draws: not counted.
+    # Chains of cubes and sinh overflow, or drive a layer where its Jacobian's
+    # reference is inexact (log_dets.RELIABLE): not counted.
     assert counts["skipped"] <= LOG_DET_PROGRAMS // 10, counts["skipped"]
-    rare = [n for n in log_dets.LAYERS if counts[n, "ok"] < 5]
+    rare = [n for n in log_dets.LAYERS if counts[n, "ok"] < 20]
     assert not rare, f"layers checked too rarely: {rare}"
 
 
@@ -218,6 +220,6 @@ def test_log_det_checker_catches_a_wrong_log_det():
         y, ld = revnet.forward_and_log_det(*args, **kw)
         return y, ld + 1e-6
 
-    counts, failures = log_dets.run(10, seed=4, log_det=off)
+    counts, failures = log_dets.run(10, seed=9, log_det=off)
     assert counts["ok"] == 0 and counts["wrong"] > 0, counts
     assert all("slogdet(jacfwd)" in f for f in failures), failures
