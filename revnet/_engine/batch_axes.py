@@ -143,14 +143,6 @@ class Tracker:
     def __init__(self, batch: tuple):
         self.batch, self.k = batch, len(batch)
 
-    def by_id(self, jaxpr: Any, in_flags: Sequence[int]) -> list[int]:
-        """The flag of each variable, indexed as in the plan's wiring."""
-        flags, _ = self.run(jaxpr, in_flags)
-        ids = [flags[v] for v in jaxpr.invars]
-        for e in jaxpr.eqns:
-            ids.extend(flags[v] for v in e.outvars if not jx.is_dropvar(v))
-        return ids
-
     def run(self, jaxpr: Any, in_flags: Sequence[int]) -> tuple[dict, list[int]]:
         """``(flags by variable, flags of the outputs)``."""
         flags: dict = dict(zip(jaxpr.invars, in_flags))

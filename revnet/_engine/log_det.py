@@ -95,20 +95,11 @@ class _Solve(TermRule):
         return not registry.get(step.rule).volume_preserving
 
     def term(self, ev, step):
-        i = step.eqn
-        eqn = ev.jaxpr.eqns[i]
-        rule = registry.get(step.rule)
-        if rule.log_det is None:
-            raise refusal(eqn, "its inverse rule gives no log-determinant term")
-        ins = [ev.read_in(i, n) for n in range(len(eqn.invars))]
-        outs = [ev.read(v) if v is not None else None for v in ev.wiring.eqn_outs[i]]
-        avals = [jx.aval(v) for v in eqn.invars]
+        eqn = ev.jaxpr.eqns[step.eqn]
         total = None
         for n in step.unknown:
-            with jx.context(eqn):
-                t = rule.term(outs, ins, n, eqn.params, avals)
-            var = ev.wiring.eqn_ins[i][n]
-            total = ev.add(total, ev.reduce_term(t, var, avals[n], eqn))
+            t = ev.rule_term(step.rule, step.eqn, n)
+            total = ev.add(total, ev.reduce(t, jx.aval(eqn.invars[n]), eqn))
         return total
 
 
@@ -178,57 +169,31 @@ class Evaluation:
     Attributes:
       reduce: ``reduce(term, aval, eqn)`` sums a term (an array of the solved
         input's rank, see :mod:`revnet._engine.registry`) to the
-        log-determinant's shape: a scalar, or one value per example.
+        log-determinant's shape: a scalar, or one value per example (the
+        program was proved per example before: :func:`evaluate`).
       zero: the log-determinant's zero.
-      tracker: for per-example log-determinants, the pass that proves which
-        values keep the batch's leading axes (None: one scalar).
-      flags: the tracker's flag of each variable (by wiring id), or None.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        jaxpr: Any,
-        reduce: Callable,
-        zero: Any,
-        tracker: Tracker | None = None,
-        in_flags: Sequence[int] | None = None,
-    ):
+    def __init__(self, plan: Plan, jaxpr: Any, reduce: Callable, zero: Any):
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
-        self.reduce, self.zero, self.tracker = reduce, zero, tracker
-        self.flags = None if tracker is None else tracker.by_id(jaxpr, in_flags)
+        self.reduce, self.zero = reduce, zero
         self.env: dict = {}
 
-    def reduce_term(self, term: Any, var: int, aval: Any, eqn: Any) -> Any:
-        """The term of the solved variable ``var``, reduced; per example only
-        where the tracker proved that ``var`` keeps the batch's axes."""
-        if self.flags is not None and self.flags[var] != LEADING:
-            raise refusal(
-                eqn,
-                "a per-example log-determinant needs each solved value to keep "
-                "the batch's leading axes, example by example, and this one "
-                "does not (the batch axis is reduced, moved or merged before "
-                "it); pass batch_ndim=0 for one log-determinant of the whole map",
-            )
-        return self.reduce(term, aval, eqn)
+    def nested(self, plan: Plan, jaxpr: Any, args: Sequence[Any]) -> tuple[list, Any]:
+        """:func:`evaluate` for a nested body, with this evaluation's reduction."""
+        return Evaluation(plan, jaxpr, self.reduce, self.zero).run(args)
 
-    def nested(
-        self, plan: Plan, jaxpr: Any, args: Sequence[Any], in_flags: Sequence[int]
-    ) -> tuple[list, Any]:
-        """:func:`evaluate` for a nested body, its inputs flagged ``in_flags``."""
-        flags = None if self.tracker is None else in_flags
-        return Evaluation(plan, jaxpr, self.reduce, self.zero, self.tracker, flags).run(
-            args
-        )
-
-    def in_flags(self, i: int, n_consts: int = 0) -> list[int]:
-        """Flags of a nested body's inputs: its constants, then equation
-        ``i``'s inputs (unbatched in scalar mode)."""
-        if self.flags is None:
-            return []
-        return [UNBATCHED] * n_consts + [
-            UNBATCHED if v is None else self.flags[v] for v in self.wiring.eqn_ins[i]
-        ]
+    def rule_term(self, name: str, i: int, n: int) -> Any:
+        """The term of the rule ``name`` for input ``n`` of equation ``i``, at
+        the forward values (unreduced); refused for a rule without one."""
+        eqn = self.jaxpr.eqns[i]
+        rule = registry.get(name)
+        if rule.log_det is None:
+            raise refusal(eqn, "its inverse rule gives no log-determinant term")
+        ins = [self.read_in(i, k) for k in range(len(eqn.invars))]
+        outs = [None if v is None else self.env[v] for v in self.wiring.eqn_outs[i]]
+        with jx.context(eqn):
+            return rule.term(outs, ins, n, eqn.params, [jx.aval(v) for v in eqn.invars])
 
     def read(self, v: int) -> Any:
         return self.env[v]
@@ -305,13 +270,11 @@ def evaluate(
       LogDetError: for a step whose term revnet cannot derive, naming its
         equation and source line.
     """
-    tracker = in_flags = None
     if batch is not None:
-        tracker = Tracker(tuple(batch))
         n_out = len(jaxpr.outvars) if n_out is None else n_out
         in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
-        _check_per_example(tracker, jaxpr, in_flags, n_out)
-    return Evaluation(plan, jaxpr, reduce, zero, tracker, in_flags).run(args)
+        _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out)
+    return Evaluation(plan, jaxpr, reduce, zero).run(args)
 
 
 def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:

@@ -273,12 +273,7 @@ class _CallTerms(log_det.TermRule):
 
     def evaluate(self, ev, step, eqn, ins):
         body = jx.call_body(eqn)
-        outs, term = ev.nested(
-            step.plan,
-            body.jaxpr,
-            [*body.consts, *ins],
-            ev.in_flags(step.eqn, len(body.consts)),
-        )
+        outs, term = ev.nested(step.plan, body.jaxpr, [*body.consts, *ins])
         return (apply_eqn(eqn, ins) if step.custom else outs), term
 
 
@@ -302,7 +297,7 @@ class _CustomTerms(log_det.TermRule):
         t = jax.numpy.asarray(t).astype(ev.zero.dtype)
         if t.shape == ev.zero.shape:
             return t
-        if ev.flags is None:
+        if ev.zero.ndim == 0:
             return jax.numpy.sum(t)
         raise log_det.refusal(
             eqn,

@@ -12,7 +12,7 @@ values only (``fori_loop``'s counter) is first run forward by a reduced scan
 
 from __future__ import annotations
 
-from revnet._engine import analysis, batch_axes, log_det, registry
+from revnet._engine import analysis, log_det, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, register_handler
@@ -184,22 +184,10 @@ class _ScanTerms(log_det.TermRule):
         nc, ncar = sp.num_consts, sp.num_carry
         consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
 
-        flags = ev.in_flags(step.eqn, len(sp.body.consts))
-        if flags:  # the carry's flags at their fixed point: the scan's outputs'
-            nb = len(sp.body.consts)
-            outs_ids = ev.wiring.eqn_outs[step.eqn][:ncar]
-            flags[nb + nc : nb + nc + ncar] = [
-                batch_axes.MIXED if v is None else ev.flags[v] for v in outs_ids
-            ]
-            flags[nb + nc + ncar :] = [
-                batch_axes.MIXED if f == batch_axes.LEADING else f
-                for f in flags[nb + nc + ncar :]
-            ]
-
         def body(carry, x):
             c, total = carry
             args = [*sp.body.consts, *consts, *c, *x]
-            outs, term = ev.nested(step.plan, sp.body.jaxpr, args, flags)
+            outs, term = ev.nested(step.plan, sp.body.jaxpr, args)
             return (outs[:ncar], total + term), outs[ncar:]
 
         (final, total), ys = jx.scan(

@@ -213,7 +213,7 @@ class _SelectTerms(log_det.TermRule):
         return False
 
     def term(self, ev, step):
-        w, eqns = ev.wiring, ev.jaxpr.eqns
+        eqns = ev.jaxpr.eqns
         pred = ev.read_in(step.eqn, 0)
         total = None
         for pos, chain in step.branches:
@@ -231,15 +231,7 @@ class _SelectTerms(log_det.TermRule):
                     )
                 if rule.volume_preserving:
                     continue
-                if rule.log_det is None:
-                    raise log_det.refusal(
-                        e, "its inverse rule gives no log-determinant term"
-                    )
-                ins = [ev.read_in(j, n) for n in range(len(e.invars))]
-                outs = [ev.read(o) for o in w.eqn_outs[j]]
-                avals = [jx.aval(v) for v in e.invars]
-                with jx.context(e):
-                    t = rule.term(outs, ins, u, e.params, avals)
+                t = ev.rule_term(name, j, u)
                 leaf = t if leaf is None else leaf + t
             if leaf is not None:
                 picked = jnp.where(where, leaf, jnp.zeros((), leaf.dtype))
@@ -247,8 +239,7 @@ class _SelectTerms(log_det.TermRule):
         if total is None:
             return None
         eqn = eqns[step.eqn]
-        out = w.eqn_outs[step.eqn][0]
-        return ev.reduce_term(total, out, jx.aval(eqn.outvars[0]), eqn)
+        return ev.reduce(total, jx.aval(eqn.outvars[0]), eqn)
 
 
 registry.register_structural(["select_n"], SelectRule())
