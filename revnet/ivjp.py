@@ -122,7 +122,9 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
         """Sets ``log_det(*args)``, the log-determinant of the function's map
         from its inputs after the constants to its outputs, for
         :func:`revnet.forward_and_log_det`: a scalar, or one value per example
-        (of the batch's shape) for ``batch_ndim``. Returns it."""
+        (of the batch's shape) for ``batch_ndim``. An array whose shape leads
+        with the batch's (one term per position, say) is summed over its
+        other axes; without ``batch_ndim``, over all of them. Returns it."""
         self.log_det_fn = log_det
         return log_det
 

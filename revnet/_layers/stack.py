@@ -182,6 +182,78 @@ def run_stack(
     return stack(h)
 
 
+def run_stack_with_log_det(
+    layer: Layer | Sequence[Layer],
+    per_layer: PerLayer | Sequence[PerLayer],
+    h: jax.Array,
+    options: StackOptions = DEFAULTS,
+    *,
+    name: str = "stack",
+    batch_ndim: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs a stack of flow steps: ``(y, log_det)``, one log-determinant per
+    example (the leading axis of ``h``), derived from the program; with
+    ``batch_ndim=0``, ``h`` is one example and ``log_det`` a scalar.
+
+    Reversibly (the default) the log-determinant is one more output of the
+    stack's reversible call, so its gradient, like the output's, costs
+    activation memory that does not grow with depth; with ``reversible=False``
+    the same terms run under ordinary autodiff.
+
+    Args:
+      layer: As for :func:`run_stack`.
+      per_layer: As for :func:`run_stack`.
+      h: The stream entering the first layer, ``[batch, ...]``.
+      options: As for :func:`run_stack`; anchors and a drift monitor are not
+        supported here.
+      name: Name of the stack in error messages.
+      batch_ndim: 1, or 0 for one example.
+
+    Returns:
+      ``(y, log_det)``, ``log_det`` of shape ``[batch]`` (a scalar for one
+      example).
+
+    Raises:
+      ValueError: If anchors or a drift monitor are asked for, or a layer
+        updates state (a flow's map must be a function of its input alone).
+      revnet.NotInvertibleError: If a layer cannot be inverted or its
+        log-determinant cannot be derived.
+
+    Example:
+
+    >>> def layer(w, state, key, h):
+    ...   h1, h2 = jnp.split(h, 2, axis=-1)
+    ...   return jnp.concatenate([h1, h2 * jnp.exp(jnp.tanh(h1 @ w))], -1), state
+    >>> w = 0.1 * jnp.ones([8, 2, 2])
+    >>> y, log_det = run_stack_with_log_det(layer, (w, None, None), jnp.ones([3, 4]))
+    >>> log_det.shape
+    (3,)
+    """
+    if options.anchors:
+        raise ValueError(
+            f"{name}: forward_and_log_det runs the stack in one reversible call; "
+            "it takes no anchor_every or drift (build the flow without them)."
+        )
+    stack = _stack_fn(layer, per_layer, options, name)
+
+    def outputs(h):
+        y, new_state = stack(h)
+        if jax.tree.leaves(new_state):
+            raise ValueError(
+                f"{name}: forward_and_log_det needs blocks whose map depends on "
+                "the input alone, but a block updates state (such as BatchNorm's "
+                "statistics in training mode); use ActNorm, or run it in eval mode."
+            )
+        return y
+
+    outputs.__name__ = name
+    if options.reversible:
+        outputs = revnet.invertible(
+            outputs, decisions=options.decisions, kinks=options.kinks
+        )
+    return revnet.forward_and_log_det(outputs, h, batch_ndim=batch_ndim)
+
+
 def invert_stack(
     layer: Layer | Sequence[Layer],
     per_layer: PerLayer | Sequence[PerLayer],

@@ -35,6 +35,7 @@ Example:
 """
 
 from revnet.blocks.coupling import AdditiveCoupling, AffineCoupling
+from revnet.blocks.flow import ActNorm, InvertibleConv1x1
 from revnet.blocks.permutation import ChannelPermutation, Squeeze
 from revnet.blocks.revnet import CONFIGS, RevNet, RevNetConfig, StageTransition
 from revnet.blocks.sequence import ReversibleSequence
@@ -42,11 +43,13 @@ from revnet.blocks.sharding import REVNET_RULES, TRANSFORMER_RULES, constrain, p
 from revnet.blocks.transformer import ReversibleTransformer
 
 __all__ = [
+    "ActNorm",
     "AdditiveCoupling",
     "AffineCoupling",
     "CONFIGS",
     "REVNET_RULES",
     "ChannelPermutation",
+    "InvertibleConv1x1",
     "ReversibleSequence",
     "ReversibleTransformer",
     "RevNet",

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from revnet._layers.precision import cast_floats
+from revnet._layers.stack import checked_layer
 from revnet.blocks.sharding import replicated_in_auto_axes
 
 PureApply = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
@@ -60,16 +61,25 @@ class Lifted:
         if zero_last:
             init = _zero_last_module(init)
         if num_stacked is not None:
+            one = init
 
-            def init(key, *args, **kwargs):
+            def init(key, x, *args, **kwargs):
                 keys = jax.random.split(key, num_stacked)
 
-                def stacked(keys, *args):
-                    return jax.vmap(
-                        lambda k: self.transformed.init(k, *args, **kwargs)
-                    )(keys)
+                def stacked(keys, x, *args):
+                    # One layer after another, as hk.layer_stack does: each
+                    # layer is initialised from its own input, so that a
+                    # data-dependent initialisation (ActNorm) sees it.
+                    apply = self._checked_apply(args, kwargs)
 
-                return replicated_in_auto_axes(stacked)(keys, *args)
+                    def step(h, k):
+                        params, state = one(k, h, *args, **kwargs)
+                        y, _ = apply(params, state, k, h)
+                        return y, (params, state)
+
+                    return jax.lax.scan(step, x, keys)[1]
+
+                return replicated_in_auto_axes(stacked)(keys, x, *args)
 
         self._params_and_state, updater = hk.lift_with_state(
             init, name=name, allow_reuse=True
@@ -79,12 +89,38 @@ class Lifted:
         # more than once per transform.
         updater.ignore_update()
         self._path = f"{owner.module_name}/~/{name}"
+        self._owner = owner.module_name
         self.compute_dtype = compute_dtype
 
     def params_and_state(self, *args: Any, **kwargs: Any) -> tuple[hk.Params, hk.State]:
         """Creates (init) or fetches (apply) the lifted parameters and state."""
+        return self._fetch(*args, **kwargs)[1:]
+
+    def _fetch(self, *args: Any, **kwargs: Any) -> tuple[Any, hk.Params, hk.State]:
         key = hk.next_rng_key() if hk.running_init() else None
-        return self._params_and_state(key, *args, **kwargs)
+        return (key, *self._params_and_state(key, *args, **kwargs))
+
+    def initialised(
+        self, x: Any, *args: Any, **kwargs: Any
+    ) -> tuple[hk.Params, hk.State, Any]:
+        """``(params, state, y)``: :meth:`params_and_state`, and at init the
+        output ``y`` of the function at ``x`` (None when applying), so that
+        a list of blocks initialises each one from its own input."""
+        key, params, state = self._fetch(x, *args, **kwargs)
+        if key is None:
+            return params, state, None
+        apply = self._checked_apply(args, kwargs)
+        y, _ = apply(params, state, jax.random.fold_in(key, 1), x)
+        return params, state, y
+
+    def _checked_apply(self, args: tuple, kwargs: dict) -> PureApply:
+        """The pure function with the block's extra arguments, checking that
+        it preserves its input's shape and dtype (as the stack does)."""
+        apply = make_pure(
+            lambda p, s, k, h: self.transformed.apply(p, s, k, h, *args, **kwargs),
+            self.compute_dtype,
+        )
+        return checked_layer(apply, self._owner, reversible=False)
 
     def update_state(self, state: hk.State) -> None:
         """Writes the new inner state into the enclosing transform."""

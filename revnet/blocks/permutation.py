@@ -11,6 +11,7 @@ own fused inverse and VJP: gathers by the inverse permutation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import haiku as hk
@@ -22,18 +23,11 @@ import revnet
 from revnet._checks import check_choice, check_int
 from revnet._layers.checks import check_input
 from revnet.blocks._names import check_name
+from revnet.blocks.flow import FlowLayer
+from revnet.flows import squeeze, unsqueeze
 
 
-def space_to_depth(x: jax.Array, factor: int) -> jax.Array:
-    """``[b, h, w, c] -> [b, h / factor, w / factor, c * factor**2]``."""
-    b, h, w, c = x.shape
-    x = x.reshape(b, h // factor, factor, w // factor, factor, c)
-    return x.transpose(0, 1, 3, 2, 4, 5).reshape(
-        b, h // factor, w // factor, factor * factor * c
-    )
-
-
-class Squeeze(hk.Module):
+class Squeeze(FlowLayer):
     """Invertible space-to-depth downsampling (i-RevNet, Glow's squeeze).
 
     Moves each ``factor x factor`` spatial patch into channels:
@@ -61,8 +55,7 @@ class Squeeze(hk.Module):
         super().__init__(name=name)
         self.factor = check_int(self.module_name, "factor", factor)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Squeezes ``x`` of shape ``[batch, height, width, channels]``."""
+    def _forward(self, x: Any) -> Callable[[jax.Array], jax.Array]:
         expected = (
             f"[batch, height, width, channels] with height and width divisible by "
             f"{self.factor}"
@@ -73,7 +66,7 @@ class Squeeze(hk.Module):
             raise ValueError(
                 f"{self.module_name}: expected shape {expected}, got {tuple(x.shape)}."
             )
-        return space_to_depth(x, self.factor)
+        return lambda v: squeeze(v, self.factor)
 
     def inverse(self, y: jax.Array) -> jax.Array:
         """Depth-to-space: rebuilds the input from the output ``y``.
@@ -91,15 +84,12 @@ class Squeeze(hk.Module):
         """
         check_input(self.module_name, y, rank=4, expected="[batch, h, w, channels]")
         f = self.factor
-        b, h, w, c = y.shape
-        if c % (f * f):
+        if y.shape[-1] % (f * f):
             raise ValueError(
                 f"{self.module_name}: the channels of the output must be divisible by "
                 f"{f * f}, got shape {tuple(y.shape)}."
             )
-        x = jax.ShapeDtypeStruct((b, h * f, w * f, c // (f * f)), y.dtype)
-        (rebuilt,) = revnet.inverse(lambda v: space_to_depth(v, f), x)(y)
-        return rebuilt
+        return unsqueeze(y, f)
 
 
 def _gather(indices: jax.Array, backward: jax.Array, x: jax.Array) -> jax.Array:
@@ -118,6 +108,7 @@ def _ungather(consts: tuple, y: jax.Array, dy: jax.Array) -> tuple[tuple, tuple]
 # close over arrays.
 _permute = revnet.custom_ivjp(_gather, num_consts=2)
 _permute.defivjp(_ungather)
+_permute.deflogdet(lambda indices, backward, x: jnp.zeros(x.shape[:-1], x.dtype))
 
 
 def permute_last_axis(x: jax.Array, perm: np.ndarray) -> jax.Array:
@@ -136,7 +127,7 @@ def permute_last_axis(x: jax.Array, perm: np.ndarray) -> jax.Array:
     return _permute(jnp.asarray(indices), jnp.asarray(np.argsort(indices)), x)
 
 
-class ChannelPermutation(hk.Module):
+class ChannelPermutation(FlowLayer):
     """A fixed permutation of the last axis (mixes the two coupling halves).
 
     Example:
@@ -177,21 +168,5 @@ class ChannelPermutation(hk.Module):
         perm = np.random.RandomState(self.seed).permutation(x.shape[-1])
         return lambda v: permute_last_axis(v, perm)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Permutes the last axis of ``x``."""
-        return self._permute(x)(x)
-
-    def inverse(self, y: jax.Array) -> jax.Array:
-        """Undoes the permutation of the last axis of ``y``.
-
-        Args:
-          y: Output of this module, ``[..., channels]``.
-
-        Returns:
-          The input with ``self(x) == y``.
-
-        Raises:
-          TypeError: If ``y`` is not floating point.
-        """
-        (x,) = revnet.inverse(self._permute(y), y)(y)
-        return x
+    def _forward(self, x: Any) -> Callable[[jax.Array], jax.Array]:
+        return self._permute(x)

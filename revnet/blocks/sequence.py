@@ -35,7 +35,7 @@ from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain
-from revnet._layers.stack import invert_stack, run_stack
+from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name
 
@@ -174,7 +174,14 @@ class ReversibleSequence(OptionViews, hk.Module):
         module = self.module_name
         check_input(module, x, min_rank=1, expected="[batch, ...]")
         _check_static(module, (args, kwargs))
-        pairs = [fn.params_and_state(x, *args, **kwargs) for fn in self._lifted]
+        if self._stacked or not hk.running_init():
+            pairs = [fn.params_and_state(x, *args, **kwargs) for fn in self._lifted]
+        else:
+            # Each block of a list is initialised from its own input.
+            pairs, h = [], x
+            for fn in self._lifted:
+                params, state, h = fn.initialised(h, *args, **kwargs)
+                pairs.append((params, state))
         key = hk.maybe_next_rng_key()
         keys = None if key is None else jax.random.split(key, self.num_layers)
         layers = [_with_args(fn.apply, args, kwargs) for fn in self._lifted]
@@ -200,6 +207,38 @@ class ReversibleSequence(OptionViews, hk.Module):
         for fn, state in zip(self._lifted, new_states, strict=True):
             fn.update_state(state)
         return y
+
+    def forward_and_log_det(
+        self, x: jax.Array, *args: Any, **kwargs: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """Applies the blocks; returns ``(y, log_det)``, ``log_det`` of shape
+        ``[batch]`` derived from the blocks' program.
+
+        The log-determinant is one more output of the reversible stack, so
+        training a flow on ``log_prob(y) + log_det`` keeps activation memory
+        flat in depth (with ``reversible=False``: ordinary autodiff).
+
+        Args:
+          x: Input of shape ``[batch, ...]``.
+          *args: Static extra arguments for ``block_fn``.
+          **kwargs: Static extra keyword arguments for ``block_fn``.
+
+        Returns:
+          ``(y, log_det)``.
+
+        Raises:
+          ValueError: If the sequence has anchors or a drift monitor, or a
+            block updates state.
+          revnet.NotInvertibleError: If a block cannot be inverted or its
+            log-determinant cannot be derived (the message names the step).
+        """
+        x = constrain(x, self.activation_sharding)
+        layer, per_layer = self._layers(x, args, kwargs)
+        out = run_stack_with_log_det(
+            layer, per_layer, x, self.options, name=self.module_name
+        )
+        self._compute.check_used(self.module_name)
+        return out
 
     def inverse(self, y: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """Rebuilds the input from the output ``y``.

@@ -20,12 +20,16 @@ except ImportError:
     ) from None
 
 from revnet.eqx.coupling import AdditiveCoupling, AffineCoupling
+from revnet.eqx.flow import ActNorm, InvertibleConv1x1, Squeeze
 from revnet.eqx.sequence import ReversibleSequence
 from revnet.eqx.transformer import ReversibleTransformerBlock
 
 __all__ = [
+    "ActNorm",
     "AdditiveCoupling",
     "AffineCoupling",
+    "InvertibleConv1x1",
     "ReversibleSequence",
     "ReversibleTransformerBlock",
+    "Squeeze",
 ]

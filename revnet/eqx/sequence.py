@@ -31,8 +31,10 @@ from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain
-from revnet._layers.stack import invert_stack, run_stack
+from revnet._layers import data_init
+from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.eqx._call import call, holds_state, missing_state
+from revnet.eqx.flow import ActNorm
 
 _NAME = "ReversibleSequence"
 
@@ -61,14 +63,25 @@ def _check_takes_key(block: Any) -> None:
     )
 
 
-def _layer(static: Any, axis_name: Hashable | None):
-    """The pure layer function of blocks split off ``static``."""
+def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
+    """The pure layer function of blocks split off ``static``.
+
+    With ``seen`` (a sequence's ``initialize``), the block runs with
+    data-dependent initialisation on: its output is ``(y, params)``, the
+    parameters its ActNorms report, and ``seen`` gets their positions among
+    the block's ActNorms."""
 
     def layer(params, state, key, h):
         block = eqx.combine(params, static)
 
         def one(h, state, key):
-            return call(_NAME, "the block", block, h, state, key)
+            if seen is None:
+                return call(_NAME, "the block", block, h, state, key)
+            with data_init.collecting() as found:
+                y, sub = call(_NAME, "the block", block, h, state, key)
+            nodes = _actnorms(block)
+            seen[:] = [next(i for i, n in enumerate(nodes) if n is m) for m, _ in found]
+            return (y, [p for _, p in found]), sub
 
         if axis_name is None:
             return one(h, state, key)
@@ -95,6 +108,15 @@ def _layer(static: Any, axis_name: Hashable | None):
             ) from e
 
     return layer
+
+
+def _actnorms(block: Any) -> list:
+    """The :class:`~revnet.eqx.ActNorm` modules in ``block``, in tree order."""
+
+    def is_norm(node):
+        return isinstance(node, ActNorm)
+
+    return [n for n in jax.tree.leaves(block, is_leaf=is_norm) if is_norm(n)]
 
 
 class ReversibleSequence(OptionViews, eqx.Module):
@@ -246,7 +268,9 @@ class ReversibleSequence(OptionViews, eqx.Module):
         for block in blocks:
             _check_takes_key(block)
 
-    def _per_layer(self, x, state, key, where):
+    def _per_layer(self, x, state, key, where, *, per_example=False):
+        """The layer function(s) and per-layer ``(params, state, keys)``;
+        with ``per_example``, layers that take one example (not vmapped)."""
         ndim = 1 if self.axis_name is None else 2
         shape = "[...]"
         if self.axis_name is not None:
@@ -260,7 +284,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
         for i, block in enumerate(blocks):
             params, static = eqx.partition(block, eqx.is_array)
             substate = None if state is None else state.substate(block)
-            layers.append(_layer(static, self.axis_name))
+            layers.append(_layer(static, None if per_example else self.axis_name))
             layer_keys = keys if keys is None or self.stacked else keys[i]
             per_layer.append((params, substate, layer_keys))
         if self.stacked:
@@ -285,6 +309,124 @@ class ReversibleSequence(OptionViews, eqx.Module):
             if sub is not None:
                 state = state.update(sub)
         return y, state
+
+    def forward_and_log_det(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Applies the blocks to the batch ``x``; returns ``(y, log_det)``,
+        ``log_det`` of shape ``[batch]`` derived from the blocks' program.
+
+        The log-determinant is one more output of the reversible stack, so
+        training a flow on ``log_prob(y) + log_det`` keeps activation memory
+        flat in depth (with ``reversible=False``: ordinary autodiff).
+
+        Args:
+          x: The batch, ``[batch, ...]``.
+          state: The model's state, if its blocks hold any (read only: a
+            flow's blocks may not update it).
+          key: RNG key for the blocks.
+
+        Returns:
+          ``(y, log_det)``.
+
+        Raises:
+          ValueError: If the sequence has anchors or a drift monitor, its
+            ``axis_name`` is None (build it with the batch axis, or
+            ``jax.vmap`` :func:`revnet.forward_and_log_det` yourself), or a
+            block updates state.
+          revnet.NotInvertibleError: If a block cannot be inverted or its
+            log-determinant cannot be derived (the message names the step).
+        """
+        where = "forward_and_log_det"
+        if self.axis_name is None:
+            check_input(f"{_NAME}.{where}", x, min_rank=1, expected="[...]")
+            layer, per_layer = self._per_layer(x, state, key, where)
+            return run_stack_with_log_det(
+                layer, per_layer, x, self.options, name=_NAME, batch_ndim=0
+            )
+        # Each example's stack is its own reversible call, vmapped under the
+        # batch axis: its log-determinant is that example's (a batched
+        # program's own per-example proof would have to follow the batch axis
+        # through the layouts vmap gives each block).
+        layer, per_layer = self._per_layer(x, state, None, where, per_example=True)
+        keys = None
+        if key is not None:
+            keys = jax.vmap(lambda k: jax.random.split(k, x.shape[0]))(
+                jax.random.split(key, self.num_layers)
+            )
+            keys = keys.swapaxes(0, 1)  # [batch, layers]: as __call__ draws them
+
+        def example(h, keys):
+            if keys is not None:
+                if self.stacked:
+                    per = (per_layer[0], per_layer[1], keys)
+                else:
+                    per = [(p, s, k) for (p, s, _), k in zip(per_layer, keys)]
+            else:
+                per = per_layer
+            return run_stack_with_log_det(
+                layer, per, h, self.options, name=_NAME, batch_ndim=0
+            )
+
+        x = constrain(x, self.activation_sharding)
+        return jax.vmap(example, axis_name=self.axis_name)(x, keys)
+
+    def initialize(
+        self,
+        x: jax.Array,
+        state: eqx.nn.State | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> ReversibleSequence:
+        """A copy whose data-dependent layers (:class:`~revnet.eqx.ActNorm`)
+        are initialised from the batch ``x``, each block from its own input.
+
+        The blocks run one after another, not reversibly; an ActNorm takes
+        its statistics over its ``axis_name``, which must be the sequence's
+        (or None when the sequence's is None).
+
+        Args:
+          x: A batch, ``[batch, ...]``.
+          state: The model's state, if its blocks hold any (read only).
+          key: RNG key for the blocks.
+
+        Returns:
+          The initialised sequence.
+        """
+        layer, per_layer = self._per_layer(x, state, key, "initialize")
+        stacked = self.stacked
+        blocks = (self.blocks,) if stacked else self.blocks
+        triples = [per_layer] if stacked else per_layer
+        h, new_blocks = x, []
+        for block, (params, substate, keys) in zip(blocks, triples):
+            static = eqx.partition(block, eqx.is_array)[1]
+            count = self.num_layers if stacked else 1
+            done = []
+            for i in range(count):
+                one = jax.tree.map(lambda a, i=i: a[i], params) if stacked else params
+                key_i = keys[i] if stacked and keys is not None else keys
+                sub = (
+                    jax.tree.map(lambda a, i=i: a[i], substate)
+                    if stacked and substate is not None
+                    else substate
+                )
+                seen: list = []
+                (h, found), _ = _layer(static, self.axis_name, seen)(one, sub, key_i, h)
+                module = eqx.combine(one, static)
+                for k, (bias, log_scale) in zip(seen, found):
+                    if self.axis_name is not None:
+                        bias, log_scale = bias[0], log_scale[0]
+                    norm = _actnorms(module)[k]._with(bias, log_scale)
+                    module = eqx.tree_at(lambda b, k=k: _actnorms(b)[k], module, norm)
+                done.append(eqx.partition(module, eqx.is_array)[0])
+            params = jax.tree.map(lambda *a: jax.numpy.stack(a), *done) if stacked else done[0]
+            new_blocks.append(eqx.combine(params, static))
+        new = new_blocks[0] if stacked else tuple(new_blocks)
+        return eqx.tree_at(lambda s: s.blocks, self, new)
 
     def inverse(
         self,

@@ -16,12 +16,16 @@ except ImportError:
     raise ImportError("revnet.nnx needs flax: pip install 'revnet[nnx]'") from None
 
 from revnet.nnx.coupling import AdditiveCoupling, AffineCoupling
+from revnet.nnx.flow import ActNorm, InvertibleConv1x1, Squeeze
 from revnet.nnx.sequence import ReversibleSequence
 from revnet.nnx.transformer import ReversibleTransformerBlock
 
 __all__ = [
+    "ActNorm",
     "AdditiveCoupling",
     "AffineCoupling",
+    "InvertibleConv1x1",
     "ReversibleSequence",
     "ReversibleTransformerBlock",
+    "Squeeze",
 ]

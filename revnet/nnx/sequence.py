@@ -25,7 +25,8 @@ from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain
-from revnet._layers.stack import invert_stack, run_stack
+from revnet._layers import data_init
+from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.nnx import _lift
 
 _NAME = "ReversibleSequence"
@@ -224,6 +225,72 @@ class ReversibleSequence(OptionViews, nnx.Module):
             for module, state in zip(self.layers, new_state, strict=True):
                 nnx.update(module, state)
         return y
+
+    def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Applies the blocks; returns ``(y, log_det)``, ``log_det`` of shape
+        ``[batch]`` derived from the blocks' program.
+
+        The log-determinant is one more output of the reversible stack, so
+        training a flow on ``log_prob(y) + log_det`` keeps activation memory
+        flat in depth (with ``reversible=False``: ordinary autodiff).
+
+        Args:
+          x: Input of shape ``[batch, ...]``.
+
+        Returns:
+          ``(y, log_det)``.
+
+        Raises:
+          ValueError: If the sequence has anchors or a drift monitor, or a
+            block updates state.
+          revnet.NotInvertibleError: If a block cannot be inverted or its
+            log-determinant cannot be derived (the message names the step).
+        """
+        check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
+        x = constrain(x, self.activation_sharding)
+        layer, per_layer = self._per_layer()
+        return run_stack_with_log_det(layer, per_layer, x, self.options, name=_NAME)
+
+    def initialize(self, x: jax.Array) -> jax.Array:
+        """Initialises the blocks' data-dependent layers (:class:`ActNorm`)
+        from the batch ``x``, each block from its own input; returns the
+        output.
+
+        The blocks run one after another, not reversibly; only their
+        parameters change (their other state, such as BatchNorm statistics
+        and RNG counters, is left as it was).
+
+        Args:
+          x: A batch, ``[batch, ...]``.
+
+        Returns:
+          The sequence's output for ``x`` with the new parameters.
+        """
+        check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
+        modules = (self.layers,) if self._stacked else tuple(self.layers)
+        h, updated = x, []
+        for module in modules:
+            graphdef, params, state = _lift.split(_NAME, module)
+            slices = [(params, state)]
+            if self._stacked:
+                slices = [
+                    jax.tree.map(lambda a, i=i: a[i], (params, state))
+                    for i in range(self.num_layers)
+                ]
+            new = []
+            for p, st in slices:
+                block = nnx.merge(graphdef, p, st, copy=True)
+                with data_init.collecting():
+                    h = block(h)
+                new.append(nnx.split(block, nnx.Param, ...)[1])
+            updated.append(
+                jax.tree.map(lambda *a: jax.numpy.stack(a), *new)
+                if self._stacked
+                else new[0]
+            )
+        for module, params in zip(modules, updated, strict=True):
+            nnx.update(module, params)
+        return h
 
     def inverse(self, y: jax.Array) -> jax.Array:
         """Rebuilds the input from the output ``y``.

@@ -279,7 +279,8 @@ class _CallTerms(log_det.TermRule):
 
 class _CustomTerms(log_det.TermRule):
     """A ``custom_ivjp`` function's log-determinant is the user's own
-    (``deflogdet``): a scalar, or one value per example."""
+    (``deflogdet``): a scalar, or one value per example, or values on axes
+    that lead with the batch's, summed over the others."""
 
     def term(self, ev, step):
         eqn = ev.jaxpr.eqns[step.eqn]
@@ -295,15 +296,16 @@ class _CustomTerms(log_det.TermRule):
                 "give it one with deflogdet",
             )
         t = jax.numpy.asarray(t).astype(ev.zero.dtype)
-        if t.shape == ev.zero.shape:
-            return t
-        if ev.zero.ndim == 0:
-            return jax.numpy.sum(t)
+        k = ev.zero.ndim
+        if t.shape[:k] == ev.zero.shape:
+            # One value per example, or per element of axes that lead with
+            # the batch's (a term per position of an image): summed.
+            return jax.numpy.sum(t, axis=tuple(range(k, t.ndim)))
         raise log_det.refusal(
             eqn,
             f"the log-determinant of custom_ivjp function {fn.__name__!r} has shape "
             f"{t.shape}; with batch_ndim it is one per example, of shape "
-            f"{ev.zero.shape}",
+            f"{ev.zero.shape} (or leads with that shape, summed over the rest)",
         )
 
 

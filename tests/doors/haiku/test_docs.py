@@ -12,7 +12,7 @@ import pytest
 
 from revnet import blocks
 
-MODULES = ["coupling", "sequence", "permutation", "revnet", "transformer"]
+MODULES = ["coupling", "flow", "sequence", "permutation", "revnet", "transformer"]
 
 
 @pytest.mark.parametrize("name", MODULES)
