@@ -145,6 +145,32 @@ def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0)
     return out
 
 
+def _flat(f, known, x):
+    def g(v):
+        outs = jax.tree_util.tree_leaves(f(*known, v.reshape(x.shape)))
+        return jnp.concatenate([jnp.ravel(o) for o in outs])
+
+    return g
+
+
+def slogdet_reference(f, known, x, *, jac=jax.jacfwd):
+    """``log|det|`` of the Jacobian of the flattened map ``x -> f(*known, x)``
+    (``jac=jax.jacrev`` for a map with a ``custom_vjp`` inside)."""
+    return jnp.linalg.slogdet(jac(_flat(f, known, x))(jnp.ravel(x)))[1]
+
+
+def per_example_slogdet(f, known, x, *, jac=jax.jacfwd):
+    """One :func:`slogdet_reference` per example: ``f``'s first output
+    restricted to example ``b`` of a batch (``f`` maps ``[batch, ...]``)."""
+
+    def one(xb):
+        return slogdet_reference(
+            lambda *a: f(*a[:-1], a[-1][None])[0], known, xb, jac=jac
+        )
+
+    return jnp.stack([one(x[b]) for b in range(x.shape[0])])
+
+
 def compiled(fn, *args):
     """Lowers and compiles ``jax.jit(fn)`` for ``args``."""
     return jax.jit(fn).lower(*args).compile()

@@ -109,13 +109,28 @@ def _by_params(eqn, flags, k) -> bool:
         return tuple(p["broadcast_dimensions"][:k]) == tuple(range(k))
     if name == "reshape":
         return p.get("dimensions") is None
-    if name in ("slice", "pad", "dynamic_slice", "gather", "scatter"):
+    if name == "gather":
+        return _gather(eqn, flags, k)
+    if name in ("slice", "pad", "dynamic_slice", "scatter"):
         return _untouched(eqn, k)
     keys = set(p) - _HARMLESS
     axis_keys = {"axes", "axis", "dimension", "dimensions"}
     if keys <= axis_keys | {"reverse", "index_dtype", "is_stable", "num_keys", "sizes"}:
         return all(_free(p[a], k) for a in keys & axis_keys)
     return False
+
+
+def _gather(eqn, flags, k) -> bool:
+    """A gather by indices that read no example (``x[..., perm]``) that
+    takes whole batch axes and keeps them leading."""
+    if flags[1] != UNBATCHED:
+        return False
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    shape = jx.aval(eqn.invars[0]).shape
+    named = {*dn.start_index_map, *dn.collapsed_slice_dims, *dn.operand_batching_dims}
+    return all(b not in named and sizes[b] == shape[b] for b in range(k)) and tuple(
+        dn.offset_dims[:k]
+    ) == tuple(range(k))
 
 
 def _untouched(eqn, k) -> bool:

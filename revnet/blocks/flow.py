@@ -15,36 +15,18 @@ from typing import Any
 import haiku as hk
 import jax
 
-import revnet
 from revnet._checks import check_real
 from revnet._layers.checks import check_input
-from revnet._layers.couplings import invert
+from revnet._layers.flow_layer import FlowMethods
 from revnet.blocks._names import check_name
 from revnet.flows import actnorm, actnorm_init, lu_conv, lu_conv_init
 
 _EXPECTED = "[batch, ..., channels]"
 
 
-class FlowLayer(hk.Module):
-    """A flow layer: ``_forward(x)`` fetches (or creates) the parameters and
-    returns the pure map ``h -> y``; the call, the derived log-determinant and
-    the inverse (of a shape-preserving map) follow from it."""
-
-    def _forward(self, x: Any) -> Callable[[jax.Array], jax.Array]:
-        raise NotImplementedError
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Applies the layer to ``x`` of shape ``[batch, ..., channels]``."""
-        return self._forward(x)(x)
-
-    def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Applies the layer; returns ``(y, log_det)``, ``log_det`` of shape
-        ``[batch]`` derived from the program."""
-        return revnet.forward_and_log_det(self._forward(x), x, batch_ndim=1)
-
-    def inverse(self, y: jax.Array) -> jax.Array:
-        """Rebuilds the input from the output ``y``."""
-        return invert(self._forward(y), y)
+class FlowLayer(FlowMethods, hk.Module):
+    """A flow layer: ``_forward(x)`` returns the pure map ``h -> y``; the call,
+    the derived log-determinant and the inverse follow from it."""
 
 
 class ActNorm(FlowLayer):
@@ -80,7 +62,11 @@ class ActNorm(FlowLayer):
         check_name(type(self), name)
         super().__init__(name=name)
         self.eps = check_real(
-            self.module_name, "eps", eps, "a positive number", low=0.0,
+            self.module_name,
+            "eps",
+            eps,
+            "a positive number",
+            low=0.0,
             low_inclusive=False,
         )
 

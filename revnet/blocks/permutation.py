@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np

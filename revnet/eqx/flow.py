@@ -156,6 +156,15 @@ class ActNorm(FlowLayer):
         return lambda h: actnorm(self.bias, self.log_scale, h)
 
 
+def actnorms(block: Any) -> list:
+    """The :class:`ActNorm` modules in ``block``, in tree order."""
+
+    def is_norm(node):
+        return isinstance(node, ActNorm)
+
+    return [n for n in jax.tree.leaves(block, is_leaf=is_norm) if is_norm(n)]
+
+
 class InvertibleConv1x1(FlowLayer):
     """Glow's invertible 1x1 convolution, LU-parametrised: ``y = x @ W``,
     ``W = L (U + diag(d))``, started as a random rotation; log-det per

@@ -27,14 +27,15 @@ import jax
 
 import revnet
 from revnet._checks import fail
+from revnet._layers import data_init
 from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain
-from revnet._layers import data_init
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.eqx._call import call, holds_state, missing_state
-from revnet.eqx.flow import ActNorm
+from revnet.eqx._init import initialized
+from revnet.eqx.flow import actnorms
 
 _NAME = "ReversibleSequence"
 
@@ -79,7 +80,7 @@ def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
                 return call(_NAME, "the block", block, h, state, key)
             with data_init.collecting() as found:
                 y, sub = call(_NAME, "the block", block, h, state, key)
-            nodes = _actnorms(block)
+            nodes = actnorms(block)
             seen[:] = [next(i for i, n in enumerate(nodes) if n is m) for m, _ in found]
             return (y, [p for _, p in found]), sub
 
@@ -108,15 +109,6 @@ def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
             ) from e
 
     return layer
-
-
-def _actnorms(block: Any) -> list:
-    """The :class:`~revnet.eqx.ActNorm` modules in ``block``, in tree order."""
-
-    def is_norm(node):
-        return isinstance(node, ActNorm)
-
-    return [n for n in jax.tree.leaves(block, is_leaf=is_norm) if is_norm(n)]
 
 
 class ReversibleSequence(OptionViews, eqx.Module):
@@ -398,35 +390,8 @@ class ReversibleSequence(OptionViews, eqx.Module):
           The initialised sequence.
         """
         layer, per_layer = self._per_layer(x, state, key, "initialize")
-        stacked = self.stacked
-        blocks = (self.blocks,) if stacked else self.blocks
-        triples = [per_layer] if stacked else per_layer
-        h, new_blocks = x, []
-        for block, (params, substate, keys) in zip(blocks, triples):
-            static = eqx.partition(block, eqx.is_array)[1]
-            count = self.num_layers if stacked else 1
-            done = []
-            for i in range(count):
-                one = jax.tree.map(lambda a, i=i: a[i], params) if stacked else params
-                key_i = keys[i] if stacked and keys is not None else keys
-                sub = (
-                    jax.tree.map(lambda a, i=i: a[i], substate)
-                    if stacked and substate is not None
-                    else substate
-                )
-                seen: list = []
-                (h, found), _ = _layer(static, self.axis_name, seen)(one, sub, key_i, h)
-                module = eqx.combine(one, static)
-                for k, (bias, log_scale) in zip(seen, found):
-                    if self.axis_name is not None:
-                        bias, log_scale = bias[0], log_scale[0]
-                    norm = _actnorms(module)[k]._with(bias, log_scale)
-                    module = eqx.tree_at(lambda b, k=k: _actnorms(b)[k], module, norm)
-                done.append(eqx.partition(module, eqx.is_array)[0])
-            params = jax.tree.map(lambda *a: jax.numpy.stack(a), *done) if stacked else done[0]
-            new_blocks.append(eqx.combine(params, static))
-        new = new_blocks[0] if stacked else tuple(new_blocks)
-        return eqx.tree_at(lambda s: s.blocks, self, new)
+        del layer
+        return initialized(self, per_layer, x, _layer)
 
     def inverse(
         self,

@@ -119,9 +119,7 @@ def split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ((2, 4, 4, 6), (2, 4, 4, 6))
     """
     if jnp.ndim(x) < 1 or jnp.shape(x)[-1] % 2:
-        raise ValueError(
-            f"split: the last axis must be even, got shape {jnp.shape(x)}"
-        )
+        raise ValueError(f"split: the last axis must be even, got shape {jnp.shape(x)}")
     kept, factored = jnp.split(x, 2, axis=-1)
     return kept, factored
 

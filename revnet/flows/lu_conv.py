@@ -110,7 +110,7 @@ def lu_conv_init(
         raise ValueError(
             f"lu_conv_init: channels must be a positive int, got {channels!r}"
         )
-    a = jax.random.normal(key, (channels, channels), jnp.float32)
+    a = jax.random.normal(key, (channels, channels), jnp.promote_types(dtype, "f4"))
     q, r = jnp.linalg.qr(a)
     q = q * jnp.sign(jnp.diagonal(r))
     p, l_, u = lu(q)  # q = p l u, so p^T q = l u is a rotation too

@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import revnet
 from revnet._checks import check_int, check_real
 from revnet._layers import data_init
 from revnet._layers.checks import check_input
-from revnet._layers.couplings import invert
+from revnet._layers.flow_layer import FlowMethods
 from revnet.flows import (
     actnorm,
     actnorm_init,
@@ -33,24 +32,9 @@ from revnet.flows import (
 _EXPECTED = "[batch, ..., channels]"
 
 
-class FlowLayer(nnx.Module):
-    """A flow layer: ``_forward(x)`` returns the pure map ``h -> y``."""
-
-    def _forward(self, x: Any) -> Callable[[jax.Array], jax.Array]:
-        raise NotImplementedError
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Applies the layer to ``x`` of shape ``[batch, ..., channels]``."""
-        return self._forward(x)(x)
-
-    def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Applies the layer; returns ``(y, log_det)``, ``log_det`` of shape
-        ``[batch]`` derived from the program."""
-        return revnet.forward_and_log_det(self._forward(x), x, batch_ndim=1)
-
-    def inverse(self, y: jax.Array) -> jax.Array:
-        """Rebuilds the input from the output ``y``."""
-        return invert(self._forward(y), y)
+class FlowLayer(FlowMethods, nnx.Module):
+    """A flow layer: ``_forward(x)`` returns the pure map ``h -> y``; the call,
+    the derived log-determinant and the inverse follow from it."""
 
 
 def _channels(where: str, x: Any, c: int) -> None:

@@ -11,27 +11,15 @@ from jax import lax
 
 import revnet
 from revnet._engine import registry
-from tests.helpers import compiled, flop_count, temp_size
+from tests.helpers import (
+    compiled,
+    flop_count,
+    per_example_slogdet,
+    slogdet_reference,
+    temp_size,
+)
 
 RTOL = 1e-10  # float64, the issue's bound
-
-
-def _flat(f, known, x):
-    def g(v):
-        return jnp.concatenate(
-            [
-                jnp.ravel(o)
-                for o in jax.tree_util.tree_leaves(f(*known, v.reshape(x.shape)))
-            ]
-        )
-
-    return g
-
-
-def reference(f, known, x):
-    """``slogdet`` of the Jacobian of the flattened map ``x -> f(*known, x)``."""
-    sign, logabs = jnp.linalg.slogdet(jax.jacfwd(_flat(f, known, x))(jnp.ravel(x)))
-    return logabs
 
 
 def derived(f, known, x):
@@ -174,7 +162,7 @@ def test_log_det_equals_slogdet_of_the_jacobian(name):
     f, known, x = CASES[name]
     with jax.enable_x64(True):
         y, ld = jax.jit(lambda k, x: derived(f, k, x))(known, x)
-        ref = jax.jit(lambda k, x: reference(f, k, x))(known, x)
+        ref = jax.jit(lambda k, x: slogdet_reference(f, k, x))(known, x)
         np.testing.assert_allclose(y, f(*known, x), rtol=1e-12)
         np.testing.assert_allclose(ld, ref, rtol=RTOL, atol=1e-12)
 
@@ -230,7 +218,9 @@ def test_log_det_gradients_equal_those_of_the_reference(name):
     f, known, x = CASES[name]
     with jax.enable_x64(True):
         grads = jax.jit(jax.grad(lambda k, x: derived(f, k, x)[1], (0, 1)))(known, x)
-        ref = jax.jit(jax.grad(lambda k, x: reference(f, k, x), (0, 1)))(known, x)
+        ref = jax.jit(jax.grad(lambda k, x: slogdet_reference(f, k, x), (0, 1)))(
+            known, x
+        )
         for a, b in zip(
             jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)
         ):
@@ -329,15 +319,6 @@ def test_refusals_name_what_is_wrong():
             derived(lambda x: double(x) + 0.0, (), x)
 
 
-def per_example_reference(f, known, x):
-    """One ``slogdet(jacfwd)`` per example: the map restricted to example ``b``."""
-
-    def one(xb):
-        return reference(lambda *a: f(*a[:-1], a[-1][None])[0], known, xb)
-
-    return jnp.stack([one(x[b]) for b in range(x.shape[0])])
-
-
 def _channel_flow(k, x):
     """A 1x1 convolution (a known channel matrix, as Glow writes it) and an
     affine coupling on an image batch."""
@@ -379,7 +360,7 @@ def test_per_example_log_det(name):
         per, total = both(known, x)
         assert per.shape == (x.shape[0],)
         np.testing.assert_allclose(
-            per, per_example_reference(f, known, x), rtol=RTOL, atol=1e-12
+            per, per_example_slogdet(f, known, x), rtol=RTOL, atol=1e-12
         )
         np.testing.assert_allclose(jnp.sum(per), total, rtol=RTOL)
 
@@ -486,3 +467,26 @@ def test_carrying_the_log_det_costs_at_most_5_percent_more_flops():
     x = jnp.ones((256, 64), jnp.float32)
     flops = [flop_count(compiled(jax.grad(stack(w)), ws, x)) for w in (False, True)]
     assert flops[0] < flops[1] <= 1.05 * flops[0], flops
+
+
+def _gathered(rows: bool):
+    """A permutation of the channels (or of the examples, ``rows``) as a
+    ``custom_ivjp`` gather with a zero log-determinant."""
+
+    def gather(idx, x):
+        return x[idx] if rows else x[..., idx]
+
+    f = revnet.custom_ivjp(gather, num_consts=1)
+    inv = jnp.argsort(jnp.array([2, 0, 1, 3]))
+    f.definverse(lambda idx, y: y[inv] if rows else y[..., inv])
+    f.deflogdet(lambda idx, x: jnp.zeros(x.shape[:1], x.dtype))
+    return lambda x: f(jnp.array([2, 0, 1, 3]), x) * 2.0
+
+
+def test_per_example_reads_a_gather_through_its_dimension_numbers():
+    """``x[..., perm]`` keeps each example's values; ``x[perm]`` mixes them."""
+    x = _x((4, 4))
+    _, log_det = revnet.forward_and_log_det(_gathered(False), x, batch_ndim=1)
+    np.testing.assert_allclose(log_det, 4 * np.log(2.0), rtol=1e-6)
+    with pytest.raises(revnet.NotInvertibleError, match="mixes the batch's"):
+        revnet.forward_and_log_det(_gathered(True), x, batch_ndim=1)

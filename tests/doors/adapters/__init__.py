@@ -18,6 +18,13 @@ framework would write it, through revnet's public front door, with:
 * ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,
   seed=0) -> Built``: the door's reversible transformer blocks (dropout rate
   :data:`RATE`) on ``x`` of shape ``[BATCH, TIME, MODEL]``;
+* ``build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0) ->
+  Flow``: a Glow stack of the door's ``ActNorm``, ``InvertibleConv1x1`` and
+  ``AffineCoupling`` (or of ActNorms alone), initialised from data on ``x``
+  of shape ``[FLOW_BATCH, FLOW_WIDTH]`` (:func:`flow_input`);
+* ``flow_layers(dtype) -> {name: (forward, inverse)}``: the door's
+  ``ActNorm`` (initialised from :func:`layer_input`), ``InvertibleConv1x1``
+  and ``Squeeze`` alone, ``forward(x) -> (y, log_det)`` on a batch;
 * ``ERRORS``: ``(make, exception type, message pattern)`` rows of bad input
   that the door refuses in one line.
 """
@@ -33,6 +40,7 @@ BATCH = 16
 WIDTH = 32
 RATE = 0.1
 TIME, MODEL, HEADS, MLP = 5, 16, 2, 32
+FLOW_BATCH, FLOW_WIDTH = 4, 8
 
 
 class Built(NamedTuple):
@@ -51,3 +59,25 @@ def example_input(seed, dtype, shape=None):
     (every door draws the same values for a seed)."""
     shape = (BATCH, WIDTH) if shape is None else shape
     return jax.random.normal(jax.random.key(seed + 1), shape, dtype)
+
+
+class Flow(NamedTuple):
+    """A door's flow: ``forward(params, x) -> (y, log_det)`` (``log_det`` of
+    shape ``[batch]``) and ``inverse(params, y) -> x`` are pure; ``params``
+    holds every trainable leaf, initialised from data on ``x``."""
+
+    params: Any
+    forward: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]
+    inverse: Callable[[Any, jax.Array], jax.Array]
+    x: jax.Array
+
+
+def flow_input(seed, dtype):
+    """A flow's input: normal with mean 1 and standard deviation 2 (so that
+    ActNorm's initialisation from data is not the identity)."""
+    return 1.0 + 2.0 * example_input(seed, dtype, (FLOW_BATCH, FLOW_WIDTH))
+
+
+def layer_input(dtype):
+    """The input of the flow layers alone: an image batch ``[2, 4, 4, 4]``."""
+    return 1.0 + 2.0 * example_input(0, dtype, (2, 4, 4, 4))

@@ -8,6 +8,7 @@ import pytest
 
 from tests.doors.adapters import (
     BATCH,
+    FLOW_WIDTH,
     HEADS,
     MLP,
     MODEL,
@@ -15,7 +16,10 @@ from tests.doors.adapters import (
     TIME,
     WIDTH,
     Built,
+    Flow,
     example_input,
+    flow_input,
+    layer_input,
 )
 
 REQUIRES = "equinox"
@@ -76,6 +80,74 @@ def _affine(dtype):
         return revnet.eqx.AffineCoupling(Net(WIDTH // 2, key=key, dtype=dtype))
 
     return make_block
+
+
+class FlowStep(eqx.Module):
+    """ActNorm, the 1x1 convolution and an affine coupling (Glow's step), on
+    one example."""
+
+    norm: revnet.eqx.ActNorm
+    conv: revnet.eqx.InvertibleConv1x1
+    coupling: revnet.eqx.AffineCoupling
+
+    def __init__(self, *, key, dtype):
+        kc, kn = jax.random.split(key)
+        self.norm = revnet.eqx.ActNorm(FLOW_WIDTH, dtype=dtype)
+        self.conv = revnet.eqx.InvertibleConv1x1(FLOW_WIDTH, key=kc, dtype=dtype)
+        net = eqx.nn.MLP(
+            FLOW_WIDTH // 2,
+            FLOW_WIDTH,
+            FLOW_WIDTH,
+            1,
+            activation=jnp.tanh,
+            key=kn,
+            dtype=dtype,
+        )
+        self.coupling = revnet.eqx.AffineCoupling(net)
+
+    def __call__(self, h, *, key=None):
+        return self.coupling(self.conv(self.norm(h)))
+
+
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
+    def make_block(key):
+        if actnorm_only:
+            return revnet.eqx.ActNorm(FLOW_WIDTH, dtype=dtype)
+        return FlowStep(key=key, dtype=dtype)
+
+    x = flow_input(seed, dtype)
+    seq = revnet.eqx.ReversibleSequence(
+        make_block, depth, key=jax.random.key(seed), reversible=reversible
+    ).initialize(x)
+    params, static = eqx.partition(seq.blocks, eqx.is_inexact_array)
+
+    def model(params):
+        return eqx.tree_at(lambda s: s.blocks, seq, eqx.combine(params, static))
+
+    def forward(params, x):
+        return model(params).forward_and_log_det(x)
+
+    def inverse(params, y):
+        return model(params).inverse(y)
+
+    return Flow(params, forward, inverse, x)
+
+
+def flow_layers(dtype):
+    x = layer_input(dtype)
+    c = x.shape[-1]
+    layers = {
+        "ActNorm": revnet.eqx.ActNorm(c, dtype=dtype).initialize(x),
+        "InvertibleConv1x1": revnet.eqx.InvertibleConv1x1(
+            c, key=jax.random.key(0), dtype=dtype
+        ),
+        "Squeeze": revnet.eqx.Squeeze(),
+    }
+    # Equinox modules take one example: vmapped over the batch.
+    return {
+        n: (jax.vmap(m.forward_and_log_det), jax.vmap(m.inverse))
+        for n, m in layers.items()
+    }
 
 
 def _built(blocks, num_layers, x, seed, **options):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from revnet import blocks
 from tests.doors.adapters import (
     BATCH,
+    FLOW_WIDTH,
     HEADS,
     MLP,
     MODEL,
@@ -16,7 +17,10 @@ from tests.doors.adapters import (
     TIME,
     WIDTH,
     Built,
+    Flow,
     example_input,
+    flow_input,
+    layer_input,
 )
 
 REQUIRES = None
@@ -34,6 +38,50 @@ def block(x):
 
 def affine(x):
     return blocks.AffineCoupling(hk.nets.MLP([WIDTH, WIDTH]))(x)
+
+
+def flow_step(h):
+    h = blocks.ActNorm()(h)
+    h = blocks.InvertibleConv1x1()(h)
+    net = hk.nets.MLP([FLOW_WIDTH, FLOW_WIDTH], activation=jnp.tanh)
+    return blocks.AffineCoupling(net, zero_init=False)(h)
+
+
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
+    step = (lambda h: blocks.ActNorm()(h)) if actnorm_only else flow_step
+
+    def seq():
+        return blocks.ReversibleSequence(step, depth, reversible=reversible)
+
+    forward = hk.transform(lambda x: seq().forward_and_log_det(x))
+    inverse = hk.transform(lambda y: seq().inverse(y))
+    x = flow_input(seed, dtype)
+    params = forward.init(jax.random.PRNGKey(seed), x)
+    return Flow(
+        params,
+        lambda p, x: forward.apply(p, None, x),
+        lambda p, y: inverse.apply(p, None, y),
+        x,
+    )
+
+
+def flow_layers(dtype):
+    x = layer_input(dtype)
+    layers = {}
+    for name, make in [
+        ("ActNorm", blocks.ActNorm),
+        ("InvertibleConv1x1", blocks.InvertibleConv1x1),
+        ("Squeeze", blocks.Squeeze),
+        ("ChannelPermutation", blocks.ChannelPermutation),
+    ]:
+        fwd = hk.transform(lambda x, make=make: make().forward_and_log_det(x))
+        inv = hk.transform(lambda y, make=make: make().inverse(y))
+        params = fwd.init(jax.random.PRNGKey(0), x)
+        layers[name] = (
+            lambda x, f=fwd, p=params: f.apply(p, None, x),
+            lambda y, f=inv, p=params: f.apply(p, None, y),
+        )
+    return layers
 
 
 def _built(model, x, seed):

@@ -13,6 +13,7 @@ import pytest
 
 from tests.doors.adapters import (
     BATCH,
+    FLOW_WIDTH,
     HEADS,
     MLP,
     MODEL,
@@ -20,7 +21,10 @@ from tests.doors.adapters import (
     TIME,
     WIDTH,
     Built,
+    Flow,
     example_input,
+    flow_input,
+    layer_input,
 )
 from tests.helpers import cast_floats
 
@@ -68,6 +72,61 @@ def _affine(dtype):
         return revnet.nnx.AffineCoupling(net)
 
     return block
+
+
+class FlowStep(nnx.Module):
+    """ActNorm, the 1x1 convolution and an affine coupling (Glow's step)."""
+
+    def __init__(self, *, dtype, rngs):
+        self.norm = revnet.nnx.ActNorm(FLOW_WIDTH, param_dtype=dtype)
+        self.conv = revnet.nnx.InvertibleConv1x1(
+            FLOW_WIDTH, param_dtype=dtype, rngs=rngs
+        )
+        net = nnx.Sequential(
+            nnx.Linear(FLOW_WIDTH // 2, FLOW_WIDTH, param_dtype=dtype, rngs=rngs),
+            jnp.tanh,
+            nnx.Linear(FLOW_WIDTH, FLOW_WIDTH, param_dtype=dtype, rngs=rngs),
+        )
+        self.coupling = revnet.nnx.AffineCoupling(net)
+
+    def __call__(self, h):
+        return self.coupling(self.conv(self.norm(h)))
+
+
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
+    def block(rngs):
+        if actnorm_only:
+            return revnet.nnx.ActNorm(FLOW_WIDTH, param_dtype=dtype)
+        return FlowStep(dtype=dtype, rngs=rngs)
+
+    model = revnet.nnx.ReversibleSequence(
+        block, depth, rngs=nnx.Rngs(seed), reversible=reversible
+    )
+    x = flow_input(seed, dtype)
+    model.initialize(x)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def forward(params, x):
+        return nnx.merge(graphdef, params, rest, copy=True).forward_and_log_det(x)
+
+    def inverse(params, y):
+        return nnx.merge(graphdef, params, rest, copy=True).inverse(y)
+
+    return Flow(params, forward, inverse, x)
+
+
+def flow_layers(dtype):
+    x = layer_input(dtype)
+    c = x.shape[-1]
+    norm = revnet.nnx.ActNorm(c, param_dtype=dtype)
+    norm.initialize(x)
+    conv = revnet.nnx.InvertibleConv1x1(c, param_dtype=dtype, rngs=nnx.Rngs(0))
+    layers = {
+        "ActNorm": norm,
+        "InvertibleConv1x1": conv,
+        "Squeeze": revnet.nnx.Squeeze(),
+    }
+    return {n: (m.forward_and_log_det, m.inverse) for n, m in layers.items()}
 
 
 def _built(blocks, num_layers, x, seed, dtype, **options):

@@ -23,7 +23,7 @@ optax = pytest.importorskip("optax")
 
 import revnet  # noqa: E402
 import revnet.eqx  # noqa: E402
-from revnet.eqx import coupling, sequence  # noqa: E402
+from revnet.eqx import coupling, flow, sequence  # noqa: E402
 from tests.helpers import assert_trees_close, load_example, tolerance  # noqa: E402
 
 F64 = pytest.param(jnp.float64, id="f64", marks=pytest.mark.slow)
@@ -58,7 +58,7 @@ def x64(dtype):
     return jax.enable_x64(jnp.dtype(dtype) == jnp.float64)
 
 
-@pytest.mark.parametrize("module", [coupling, sequence])
+@pytest.mark.parametrize("module", [coupling, flow, sequence])
 @pytest.mark.slow
 def test_docstring_examples(module):
     names = {n: getattr(revnet.eqx, n) for n in revnet.eqx.__all__}

@@ -144,6 +144,13 @@ ENTRIES = [
         has_twin=False,
     ),
     Entry("squeeze", lambda rev: blocks.Squeeze(), (2, 4, 4, 3), has_twin=False),
+    Entry("act_norm", lambda rev: blocks.ActNorm(), (3, 2, 2, 4), has_twin=False),
+    Entry(
+        "invertible_conv1x1",
+        lambda rev: blocks.InvertibleConv1x1(),
+        (3, 2, 2, 4),
+        has_twin=False,
+    ),
     Entry(
         "permutation",
         lambda rev: blocks.ChannelPermutation(),

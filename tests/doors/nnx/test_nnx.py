@@ -372,7 +372,7 @@ def test_bad_input_gets_a_one_line_error(make, error, match):
     assert "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("name", ["coupling", "sequence", "transformer"])
+@pytest.mark.parametrize("name", ["coupling", "flow", "sequence", "transformer"])
 @pytest.mark.slow
 def test_docstring_examples(name):
     module = importlib.import_module(f"revnet.nnx.{name}")

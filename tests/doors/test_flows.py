@@ -1,0 +1,218 @@
+"""The flow blocks through every front door (Haiku, Equinox, Flax NNX).
+
+Each door (``build_flow`` in ``tests/doors/adapters/<name>.py``) builds a
+Glow stack of its own ``ActNorm``, ``InvertibleConv1x1`` and
+``AffineCoupling`` in a ``ReversibleSequence``, initialised from data, and
+returns its ``forward_and_log_det``. Every row checks the derived
+log-determinant against ``slogdet`` of the Jacobian in float64, the
+reversible gradients against the non-reversible twin's on the same
+parameters, the inverse, memory flat in depth, and that data-dependent
+initialisation sees each layer's own input.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from revnet import blocks
+from revnet.flows import StandardNormal
+from tests.doors.adapters import layer_input
+from tests.doors.test_table import DOORS, load
+from tests.helpers import (
+    assert_trees_close,
+    compiled,
+    per_example_slogdet,
+    temp_size,
+    tolerance,
+)
+
+RTOL = 1e-10  # float64, against slogdet(jacobian)
+
+
+@pytest.fixture(params=DOORS)
+def door(request):
+    return request.param
+
+
+@functools.cache
+def _flow(name, dtype, reversible, depth, actnorm_only):
+    return load(name).build_flow(
+        depth, dtype=dtype, reversible=reversible, actnorm_only=actnorm_only
+    )
+
+
+def flow(name, dtype, reversible=True, depth=3, actnorm_only=False):
+    """The door's flow (built once); a float64 one is built and must be run
+    under ``jax.enable_x64``."""
+    with x64(dtype):
+        return _flow(name, dtype, reversible, depth, actnorm_only)
+
+
+def x64(dtype):
+    return jax.enable_x64(jnp.dtype(dtype) == jnp.float64)
+
+
+def nll(forward):
+    """The flow's loss: ``-(log_prob(z) + log_det)``, averaged."""
+
+    def loss(params, x):
+        z, log_det = forward(params, x)
+        base = StandardNormal(z.shape[1:])
+        return -jnp.mean(base.log_prob(z) + log_det)
+
+    return loss
+
+
+@pytest.mark.parametrize("reversible", [True, False], ids=["rev", "plain"])
+def test_log_det_equals_slogdet_of_the_jacobian(door, reversible):
+    with jax.enable_x64(True):
+        f = flow(door, jnp.float64, reversible)
+        _, log_det = jax.jit(f.forward)(f.params, f.x)
+        plain = flow(door, jnp.float64, False)
+        # The reference differentiates the twin in reverse mode: the 1x1
+        # convolution is a custom_ivjp function, which has no forward mode.
+        ref = per_example_slogdet(
+            lambda x: (plain.forward(plain.params, x)[0],), (), f.x, jac=jax.jacrev
+        )
+        assert log_det.shape == (f.x.shape[0],)
+        np.testing.assert_allclose(log_det, ref, rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.float64, id="f64")]
+)
+def test_gradients_equal_the_twins(door, dtype):
+    with x64(dtype):
+        rev, plain = flow(door, dtype, True), flow(door, dtype, False)
+        assert_trees_close(rev.params, plain.params, 0.0, "the same parameters")
+        grads = [
+            jax.jit(jax.value_and_grad(nll(f.forward), (0, 1)))(f.params, f.x)
+            for f in (rev, plain)
+        ]
+        rtol = tolerance(dtype)
+        assert_trees_close(grads[0][0], grads[1][0], rtol, "loss")
+        assert_trees_close(grads[0][1][0], grads[1][1][0], rtol, "params")
+        assert_trees_close(grads[0][1][1], grads[1][1][1], rtol, "input")
+
+
+def test_log_det_gradients_equal_those_of_the_reference(door):
+    with jax.enable_x64(True):
+        f = flow(door, jnp.float64, True, depth=2)
+        plain = flow(door, jnp.float64, False, depth=2)
+
+        def derived(params):
+            return jnp.sum(f.forward(params, f.x)[1])
+
+        def reference(params):
+            g = lambda x: (plain.forward(params, x)[0],)  # noqa: E731
+            return jnp.sum(per_example_slogdet(g, (), f.x, jac=jax.jacrev))
+
+        assert_trees_close(
+            jax.jit(jax.grad(derived))(f.params),
+            jax.jit(jax.grad(reference))(plain.params),
+            1e-8,
+            "d log_det / d params",
+        )
+
+
+def test_inverse_rebuilds_the_input(door):
+    with jax.enable_x64(True):
+        f = flow(door, jnp.float64, True)
+        y, _ = f.forward(f.params, f.x)
+        np.testing.assert_allclose(f.inverse(f.params, y), f.x, rtol=1e-10, atol=1e-10)
+
+
+def test_actnorm_is_initialised_from_each_layers_own_input(door):
+    # A stack of ActNorms alone: the first normalises the batch, so the later
+    # ones, initialised from its output, start as the identity. Initialised
+    # from the stack's input instead, they would normalise it again.
+    f = flow(door, jnp.float32, True, actnorm_only=True)
+    y, log_det = f.forward(f.params, f.x)
+    np.testing.assert_allclose(jnp.mean(y, 0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(jnp.std(y, 0), 1.0, rtol=1e-4)
+    first = -jnp.sum(jnp.log(jnp.std(f.x, 0) + 1e-6))
+    np.testing.assert_allclose(log_det, first, rtol=1e-4)
+
+
+def test_memory_is_flat_in_depth(door):
+    def temp(depth):
+        f = flow(door, jnp.float32, True, depth=depth)
+        grad = jax.grad(nll(f.forward))
+        return temp_size(compiled(grad, f.params, f.x))
+
+    shallow, deep = temp(4), temp(32)
+    assert deep <= 1.02 * shallow, (shallow, deep)
+
+
+def test_the_plain_twin_grows_in_depth(door):
+    # The check above can fail: the same flow without reversibility holds
+    # every layer's activations.
+    def temp(depth):
+        f = flow(door, jnp.float32, False, depth=depth)
+        return temp_size(compiled(jax.grad(nll(f.forward)), f.params, f.x))
+
+    assert temp(32) > 2 * temp(4)
+
+
+LAYERS = ["ActNorm", "InvertibleConv1x1", "Squeeze", "ChannelPermutation"]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_flow_layer_alone(door, layer):
+    with jax.enable_x64(True):
+        layers = load(door).flow_layers(jnp.float64)
+        if layer not in layers:
+            pytest.skip(f"the {door} door has no {layer}")
+        forward, inverse = layers[layer]
+        x = layer_input(jnp.float64)
+        y, log_det = forward(x)
+        ref = per_example_slogdet(lambda x: (forward(x)[0],), (), x, jac=jax.jacrev)
+        assert log_det.shape == (x.shape[0],)
+        np.testing.assert_allclose(log_det, ref, rtol=RTOL, atol=1e-12)
+        np.testing.assert_allclose(inverse(y), x, rtol=1e-10, atol=1e-10)
+
+
+def test_a_sequence_with_anchors_refuses_log_dets():
+
+    def model(x):
+        seq = blocks.ReversibleSequence(
+            lambda h: blocks.ActNorm()(h), 4, anchor_every=2
+        )
+        return seq.forward_and_log_det(x)
+
+    with pytest.raises(ValueError, match="anchor_every or drift"):
+        hk.transform(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+
+
+def test_a_block_with_batch_statistics_is_refused():
+
+    def block(h):
+        bn = hk.BatchNorm(True, True, 0.9)
+        return blocks.AdditiveCoupling(lambda u: bn(u, True), lambda u: u)(h)
+
+    def model(x):
+        return blocks.ReversibleSequence(block, 2).forward_and_log_det(x)
+
+    with pytest.raises(ValueError, match="updates state"):
+        hk.transform_with_state(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+
+
+def test_a_step_without_a_log_det_is_named():
+    @revnet.custom_ivjp
+    def double(x):
+        return 2.0 * x
+
+    double.definverse(lambda y: y / 2.0)
+
+    def model(x):
+        return blocks.ReversibleSequence(double, 2).forward_and_log_det(x)
+
+    with pytest.raises(revnet.NotInvertibleError, match="double.*deflogdet"):
+        hk.transform(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
