@@ -56,6 +56,22 @@ def test_smoke_run_writes_json(script, tmp_path):
 
 
 @pytest.mark.slow
+def test_flow_digits_smoke_run(tmp_path):
+    """The flow's twins train alike (equal to float32 rounding after the same
+    steps: the reversible twin's test bits per dimension is no worse), the
+    reversible twin's step holds less memory, and the samples are drawn."""
+    run_example("flow_digits", "--smoke", "--out", str(tmp_path))
+    with open(tmp_path / "flow_digits.json") as f:
+        results = json.load(f)
+    bpd, temp = results["bits_per_dim"], results["temp_bytes"]
+    assert 0 < bpd["reversible"] < 8, bpd
+    assert bpd["reversible"] <= bpd["standard"] + 1e-4, bpd
+    assert temp["reversible"] < temp["standard"], temp
+    assert results["samples_finite"]
+    assert (tmp_path / "flow_digits.png").stat().st_size > 0
+
+
+@pytest.mark.slow
 def test_interrupted_digits_run_resumes_exactly(tmp_path):
     # The compilation cache only saves time; the resumed run recompiles alike.
     env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
