@@ -18,4 +18,5 @@ BENCHMARKS = {
     "decisions": "decisions",
     "sharding": "sharding",
     "front_doors": "front_doors",
+    "flows": "flows",
 }

@@ -388,3 +388,21 @@ def test_front_doors_tiny(tmp_path):
         assert rev[large] < by[large, "standard"]["temp_bytes"], name
         flops = by[large, "reversible"]["flops"] / by[large, "remat"]["flops"]
         assert 0.9 < flops < 1.5, (name, flops)
+
+
+@pytest.mark.slow
+def test_flows_tiny_run_keeps_its_claims(tmp_path):
+    """revnet's derived log-det equals flowjax's hand-written one on the same
+    layers and parameters, and its memory does not grow with depth while
+    flowjax's does."""
+    results = tiny("flows", tmp_path)
+    shallow, deep = results["rows"]
+    for row in results["rows"]:
+        assert row["log_det_max_abs"] > 0.1, row  # a flow that is not the identity
+        for way in ("revnet", "jet-style"):
+            assert row[f"log_det_diff_{way}"] <= 1e-5 * row["log_det_max_abs"], row
+    assert deep["temp_revnet"] == shallow["temp_revnet"], results["rows"]
+    assert deep["temp_flowjax"] > 2 * shallow["temp_flowjax"], results["rows"]
+    assert deep["temp_revnet"] < deep["temp_jet-style"] < deep["temp_flowjax"]
+    assert set(deep) >= {f"time_ratio_{w}" for w in ("flowjax", "revnet")}
+    assert results["flowjax"]
