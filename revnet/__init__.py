@@ -18,7 +18,9 @@ The core:
 Flows: :func:`forward_and_log_det` returns a function's outputs and
 ``log|det J|``, derived from the program (one per example with
 ``batch_ndim=1``); inside :func:`invertible` its gradient costs memory flat in
-depth.
+depth. :mod:`revnet.flows` holds ActNorm, the LU-parametrised 1x1
+convolution, squeeze, the multi-scale split and a standard-normal base,
+framework-free; each front door wraps them as modules.
 
 Loops: :func:`while_loop` and :func:`scan` differentiate any body in reverse
 mode, with ``mode="auto"`` (the default), ``"invert"``, ``"store"`` or
@@ -39,6 +41,8 @@ error; a :class:`DriftMonitor` reads the reconstruction error at the anchors
 Haiku: :mod:`revnet.blocks` holds the couplings, ``ReversibleSequence`` (an
 O(1)-memory stack of your own blocks), the RevNet family,
 ``ReversibleTransformer`` and the sharding helpers (``help(revnet.blocks)``).
+Flax NNX: :mod:`revnet.nnx`; Equinox: :mod:`revnet.eqx` (the same couplings,
+sequence, transformer block and flow layers, each the framework's way).
 
 README.md, section by section: "Quick start", "What can be inverted" (with
 "Decisions are stored", "What is stored" and "Values that cannot be

@@ -11,6 +11,9 @@ has an ``inverse`` method.
   reconstruction error.
 * :class:`AdditiveCoupling`, :class:`AffineCoupling` (with
   ``forward_and_log_det``): the couplings, with ``compute_dtype``.
+* :class:`ActNorm`, :class:`InvertibleConv1x1` (LU-parametrised): flow layers
+  with ``forward_and_log_det``, as are the sequence and the two below
+  (:mod:`revnet.flows` has the base density and the multi-scale split).
 * :class:`Squeeze`, :class:`ChannelPermutation`, :class:`StageTransition`,
   :class:`RevNet` (``"revnet38"``, ``"revnet110"``, ``"revnet164"``;
   :data:`CONFIGS`) and :class:`ReversibleTransformer`: ready-made models.
