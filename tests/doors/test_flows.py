@@ -216,3 +216,31 @@ def test_a_step_without_a_log_det_is_named():
 
     with pytest.raises(revnet.NotInvertibleError, match="double.*deflogdet"):
         hk.transform(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+
+
+def test_a_list_of_blocks_is_initialised_block_by_block():
+    """NNX's and Equinox's ``initialize`` on a list of different blocks (and
+    Haiku's init): each ActNorm sees its own input."""
+    x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (64, 4))
+    outs = []
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    import revnet.nnx as rnnx
+
+    norm = lambda rngs: rnnx.ActNorm(4)  # noqa: E731
+    seq = rnnx.ReversibleSequence([norm, norm], rngs=nnx.Rngs(0))
+    seq.initialize(x)
+    outs.append(seq(x))
+    pytest.importorskip("equinox")
+    import revnet.eqx as reqx
+
+    make = lambda key: reqx.ActNorm(4)  # noqa: E731
+    seq = reqx.ReversibleSequence([make, make], key=jax.random.key(0))
+    outs.append(seq.initialize(x)(x))
+    norm = lambda h: blocks.ActNorm()(h)  # noqa: E731
+    model = hk.transform(lambda x: blocks.ReversibleSequence([norm, norm])(x))
+    outs.append(model.apply(model.init(jax.random.key(0), x), None, x))
+    for y in outs:
+        np.testing.assert_allclose(jnp.mean(y, 0), 0.0, atol=1e-5)
+        np.testing.assert_allclose(jnp.std(y, 0), 1.0, rtol=1e-4)
