@@ -52,8 +52,15 @@ def _grad_fn(net):
 
 
 @pytest.mark.parametrize("coupling", ["additive", "affine_bounded", "affine_default"])
+@pytest.mark.optimized
 def test_anchor_every_16_at_depth_128(coupling):
-    """Gradient error <= 3x standard backprop's; activation memory <= 1/8."""
+    """Gradient error <= 3x standard backprop's; activation memory <= 1/8.
+
+    Compiled with XLA's optimisations, as users run it: in float32 the
+    bounded affine stack at depth 128 is chaotic (the standard twin's own
+    gradient error is of order one), so both errors depend on XLA's code
+    generation, and without its optimisations they differ on some CPUs.
+    """
     args = _args()
     x, c = _inputs(args)
     std, _ = numerics.model(coupling, DEPTH, args, reversible=False)
