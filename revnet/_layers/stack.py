@@ -175,11 +175,17 @@ def run_stack(
     (2, 8)
     """
     stack = _stack_fn(layer, per_layer, options, name)
-    if options.reversible and not options.anchors:
-        stack = revnet.invertible(
-            stack, decisions=options.decisions, kinks=options.kinks
-        )
+    if not options.anchors:
+        stack = _reversible(stack, options)
     return stack(h)
+
+
+def _reversible(fn: Callable, options: StackOptions) -> Callable:
+    """``fn`` as one reversible function with the options' decisions and
+    kinks; as it is with ``reversible=False``."""
+    if not options.reversible:
+        return fn
+    return revnet.invertible(fn, decisions=options.decisions, kinks=options.kinks)
 
 
 def run_stack_with_log_det(
@@ -247,11 +253,9 @@ def run_stack_with_log_det(
         return y
 
     outputs.__name__ = name
-    if options.reversible:
-        outputs = revnet.invertible(
-            outputs, decisions=options.decisions, kinks=options.kinks
-        )
-    return revnet.forward_and_log_det(outputs, h, batch_ndim=batch_ndim)
+    return revnet.forward_and_log_det(
+        _reversible(outputs, options), h, batch_ndim=batch_ndim
+    )
 
 
 def invert_stack(

@@ -317,7 +317,8 @@ class ReversibleSequence(OptionViews, eqx.Module):
         flat in depth (with ``reversible=False``: ordinary autodiff).
 
         Args:
-          x: The batch, ``[batch, ...]``.
+          x: The batch, ``[batch, ...]``; ONE example when the sequence was
+            built with ``axis_name=None`` (``log_det`` is then a scalar).
           state: The model's state, if its blocks hold any (read only: a
             flow's blocks may not update it).
           key: RNG key for the blocks.
@@ -326,9 +327,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
           ``(y, log_det)``.
 
         Raises:
-          ValueError: If the sequence has anchors or a drift monitor, its
-            ``axis_name`` is None (build it with the batch axis, or
-            ``jax.vmap`` :func:`revnet.forward_and_log_det` yourself), or a
+          ValueError: If the sequence has anchors or a drift monitor, or a
             block updates state.
           revnet.NotInvertibleError: If a block cannot be inverted or its
             log-determinant cannot be derived (the message names the step).
@@ -389,8 +388,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
         Returns:
           The initialised sequence.
         """
-        layer, per_layer = self._per_layer(x, state, key, "initialize")
-        del layer
+        per_layer = self._per_layer(x, state, key, "initialize")[1]
         return initialized(self, per_layer, x, _layer)
 
     def inverse(
