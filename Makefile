@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
 
-.PHONY: test test-all test-next demo fuzz lint clean
+.PHONY: test test-all test-next demo docs chromium fuzz lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,17 @@ $(STAMP_TEST): setup.cfg pyproject.toml | $(PY)
 # The front doors' frameworks come with the experiments extra, so that `make
 # test` and CI run their tests; without them those tests skip, naming the extra.
 $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,experiments,nnx,equinox]'
+	$(PY) -m pip install -q -e '.[test,experiments,nnx,equinox,docs]'
 	touch $@
+
+# Headless Chromium (Debian's package) for the slow tier's test that opens the
+# built documentation site (tests/project/test_docs_site.py).
+CHROMIUM := $(shell command -v chromium-headless-shell chromium 2>/dev/null | head -1)
+chromium:
+ifeq ($(CHROMIUM),)
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium-headless-shell >/dev/null
+endif
 
 # The fast tier: every test not marked `slow` (pyproject.toml's markers: the
 # subprocess, 8-device, multi-process, depth-128, fuzz, example and benchmark
@@ -28,8 +37,13 @@ test: $(STAMP_TEST) $(STAMP_EXP)
 	$(PY) -m pytest -n 2 -q -m "not slow" tests
 
 # Everything: the fast tier and the slow one.
-test-all: $(STAMP_TEST) $(STAMP_EXP)
+test-all: $(STAMP_TEST) $(STAMP_EXP) chromium
 	$(PY) -m pytest -n 2 -q tests
+
+# The documentation site, in strict mode: a broken link, a missing page or a
+# public name on no API page fails (docs/hooks/). Open site/index.html.
+docs: $(STAMP_EXP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q
 
 # The core, loops and blocks suites under JAX's opt-in "next primitive" flags,
 # which reroute jax.custom_vjp, jax.checkpoint and lax.scan to JAX's hijax
@@ -80,4 +94,4 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results site .pytest_cache

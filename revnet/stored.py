@@ -178,8 +178,8 @@ def stored(f: Callable[..., Any], *args: Any, **kwargs: Any) -> StoredReport:
       A :class:`StoredReport`; ``print(report)`` shows the table.
 
     Raises:
-      Whatever tracing ``f`` raises (say, :class:`revnet.NotInvertibleError`),
-      and a :class:`revnet.StoredGrowthWarning` made an error.
+      NotInvertibleError: Whatever tracing ``f`` raises, this among others.
+      StoredGrowthWarning: Where warnings of that class are made errors.
 
     Example:
 

@@ -177,6 +177,8 @@ CONFIGS = {
     "revnet164": RevNetConfig((9, 9, 9), (32, 32, 64, 128), bottleneck=True),
     "tiny": RevNetConfig((2, 2), (8, 8, 16)),
 }
+"""The named RevNet depths: ``RevNet("revnet38" | "revnet110" | "revnet164")``
+(the paper's CIFAR configurations) and ``"tiny"`` (two stages, for tests)."""
 
 
 def _check_config(module: str, config: Any) -> RevNetConfig:

@@ -554,16 +554,16 @@ def test_the_comparison_counts_forward_recomputed_and_inverted_evaluations():
     assert point("not invertible", "revnet")["temp_bytes"] < scan_row["temp_bytes"]
 
 
-def test_the_readme_loops_run_in_the_modes_the_readme_names():
+def test_the_loops_guide_runs_in_the_modes_it_names():
     import pathlib
     import re
 
-    readme = pathlib.Path(ROOT) / "README.md"
+    readme = pathlib.Path(ROOT) / "docs" / "guides" / "loops.md"
     blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
     code = next(b for b in blocks if "def leapfrog_max" in b)
-    ns: dict = {}  # the block is self-contained (tests/project/test_readme.py)
+    ns: dict = {}  # the block is self-contained (tests/project/test_docs.py)
     with modes_chosen() as seen:
-        exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+        exec(compile(code, str(readme), "exec"), ns)  # noqa: S102
     # The three loops, then the leapfrog loop that the block differentiates.
     assert [m.kind for m in seen] == ["invert", "store", "checkpoint", "invert"]
 

@@ -1,27 +1,30 @@
-"""README.md runs as written, and means what it says.
+"""The README, CONTRIBUTING.md and docs/ run as written, and mean what they say.
 
-The rule for the README: every ```python block is self-contained. It imports
+The rule for every page: each ```python block is self-contained. It imports
 what it uses and makes its own data, assuming the reader ran nothing before it
 (no earlier block, no setup), so each one runs here on its own, in a fresh
-namespace. Line numbers in a failing block's traceback are README.md's.
+namespace. Line numbers in a failing block's traceback are its file's.
 
-* ``test_block_runs`` runs every block, named by its index and its section's
+* ``test_block_runs`` runs every block, named by its file, line and section
   heading. Blocks that need a fresh interpreter (forced CPU devices, several
   processes) are listed in ``SUBPROCESS`` with the reason and run in the slow
   tier; every other block takes a few seconds in this process. A block that
   imports ``flax`` or ``equinox`` is skipped when that package is missing.
   Where a block's result can be checked cheaply, ``CHECKS`` does so against
-  plain ``jax.grad`` (or the README's own claim).
+  plain ``jax.grad`` (or the page's own claim).
 * ``test_every_block_is_run`` counts the fences a second way, so a new block
   cannot be left out silently.
 * The ``bash`` blocks and the ``make`` commands in the text name only
-  Makefile targets and command-line flags that exist.
+  Makefile targets, command-line flags and extras that exist, and the test
+  counts CONTRIBUTING.md states are pytest's.
 * The examples of the docstrings ``help(revnet)`` shows first run.
 """
 
 from __future__ import annotations
 
+import configparser
 import doctest
+import functools
 import os
 import pathlib
 import re
@@ -46,29 +49,40 @@ from tests.helpers import (
     tolerance,
 )
 
-README = pathlib.Path(ROOT) / "README.md"
-TEXT = README.read_text()
+PAGES = [
+    pathlib.Path(ROOT) / "README.md",
+    pathlib.Path(ROOT) / "CONTRIBUTING.md",
+    *sorted((pathlib.Path(ROOT) / "docs").rglob("*.md")),
+]
+TEXTS = {page: page.read_text() for page in PAGES}
 F32 = tolerance("float32")
 
 
-def _blocks(lang: str) -> list[tuple[int, str, str]]:
-    """``(first code line, section heading, code)`` of every ```lang block."""
-    found, heading, code, start = [], "", None, 0
-    for n, line in enumerate(TEXT.splitlines(), 1):
-        if code is None and line.startswith("#"):
-            heading = line.lstrip("#").strip()
-        elif code is None and line.strip() == f"```{lang}":
-            code, start = [], n + 1
-        elif code is not None and line.strip() == "```":
-            found.append((start, heading, "\n".join(code) + "\n"))
-            code = None
-        elif code is not None:
-            code.append(line)
+def _name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def _blocks(lang: str) -> list[tuple[pathlib.Path, int, str, str]]:
+    """``(page, first code line, section heading, code)`` of every ```lang
+    block of every page."""
+    found = []
+    for page, text in TEXTS.items():
+        heading, code, start = "", None, 0
+        for n, line in enumerate(text.splitlines(), 1):
+            if code is None and line.startswith("#"):
+                heading = line.lstrip("#").strip()
+            elif code is None and line.strip() == f"```{lang}":
+                code, start = [], n + 1
+            elif code is not None and line.strip() == "```":
+                found.append((page, start, heading, "\n".join(code) + "\n"))
+                code = None
+            elif code is not None:
+                code.append(line)
     return found
 
 
 BLOCKS = _blocks("python")
-HEADINGS = [heading for _, heading, _ in BLOCKS]
+HEADINGS = [heading for _, _, heading, _ in BLOCKS]
 
 # Blocks that need a fresh interpreter, by section heading, with the reason.
 # They run in the slow tier (pyproject.toml: subprocess and multi-process runs).
@@ -79,9 +93,9 @@ SUBPROCESS = {
 
 
 def _block_id(index: int) -> str:
-    line, heading, code = BLOCKS[index]
+    page, line, heading, code = BLOCKS[index]
     first = code.strip().splitlines()[0][:40]
-    return f"{index}: {heading} (README.md:{line}: {first})"
+    return f"{_name(page)}:{line}: {heading} ({first})"
 
 
 # --------------------------------------------------------------------------- #
@@ -166,7 +180,23 @@ def _check_drift(ns, out):
     assert np.all(np.isfinite(latest)), latest
 
 
-def _check_nnx(ns, out):
+def _check_haiku_quick_start(ns, out):
+    # The same parameters through the reversible=False twin: equal gradients.
+    from revnet import blocks
+
+    twin = hk.transform(
+        lambda x: blocks.ReversibleSequence(ns["block"], 32, reversible=False)(x)
+    )
+
+    def grads(model):
+        loss = lambda p: jnp.mean(model.apply(p, None, ns["x"]) ** 2)  # noqa: E731
+        return jax.grad(loss)(ns["params"])
+
+    assert_trees_close(grads(ns["model"]), grads(twin), F32, "grads")
+    assert bool(jnp.isfinite(ns["loss"])) and float(ns["loss"]) > 0
+
+
+def _check_nnx(ns, out, num_layers=16):
     # "equal to the reversible=False twin's": the twin, built from the same
     # Rngs, takes the same first step.
     from flax import nnx
@@ -174,10 +204,25 @@ def _check_nnx(ns, out):
     import revnet.nnx
 
     twin = revnet.nnx.ReversibleSequence(
-        ns["Block"], num_layers=16, rngs=nnx.Rngs(0), reversible=False
+        ns["Block"], num_layers=num_layers, rngs=nnx.Rngs(0), reversible=False
     )
     optimizer = nnx.Optimizer(twin, ns["optax"].adam(1e-3), wrt=nnx.Param)
     want = ns["train_step"](twin, optimizer, ns["x"])
+    assert_trees_close(ns["loss"], want, F32, "loss")
+    assert float(ns["loss"]) > 0
+
+
+def _check_eqx_quick_start(ns, out):
+    # The twin with the same key and reversible=False takes the same step.
+    import equinox as eqx
+
+    import revnet.eqx
+
+    twin = revnet.eqx.ReversibleSequence(
+        ns["make_block"], 32, key=jax.random.key(0), reversible=False
+    )
+    opt_state = ns["optimiser"].init(eqx.filter(twin, eqx.is_inexact_array))
+    *_, want = ns["step"](twin, opt_state, ns["x"])
     assert_trees_close(ns["loss"], want, F32, "loss")
     assert float(ns["loss"]) > 0
 
@@ -207,6 +252,13 @@ CHECKS = {
     "def leapfrog(state):": _check_loops,
     "anchor_every=16, drift=monitor": _check_drift,
     "revnet.nnx.ReversibleSequence(Block, num_layers=16": _check_nnx,
+    "revnet.nnx.ReversibleSequence(Block, num_layers=32": functools.partial(
+        _check_nnx, num_layers=32
+    ),
+    "blocks.ReversibleSequence(block, num_layers=32)(x))": _check_haiku_quick_start,
+    "ReversibleSequence(make_block, 32, key=jax.random.key(0))": (
+        _check_eqx_quick_start
+    ),
     "eqx.nn.make_with_state(revnet.eqx.ReversibleSequence)": _check_eqx,
 }
 
@@ -284,7 +336,7 @@ def _run_processes(code: str, tmp_path, n: int = 2, timeout: float = 600) -> lis
 
 
 def _run_in_subprocess(index: int, tmp_path) -> None:
-    _, heading, code = BLOCKS[index]
+    _, _, heading, code = BLOCKS[index]
     if heading == "Setting up":
         outs = _run_processes(code, tmp_path)
         losses = [re.findall(r"process (\d): loss (\S+)", out) for out in outs]
@@ -298,7 +350,7 @@ def _run_in_subprocess(index: int, tmp_path) -> None:
 
 def _params():
     cases = []
-    for index, (_, heading, _) in enumerate(BLOCKS):
+    for index, (_, _, heading, _) in enumerate(BLOCKS):
         marks = [pytest.mark.slow] if heading in SUBPROCESS else []
         cases.append(pytest.param(index, id=_block_id(index), marks=marks))
     return cases
@@ -306,14 +358,14 @@ def _params():
 
 @pytest.mark.parametrize("index", _params())
 def test_block_runs(index, tmp_path, capsys, restore_runtime_checks):
-    line, heading, code = BLOCKS[index]
+    page, line, heading, code = BLOCKS[index]
     _skip_missing_packages(code)
     if heading in SUBPROCESS:
         _run_in_subprocess(index, tmp_path)
         return
-    ns: dict = {"__name__": f"readme_block_{index}"}
-    padded = "\n" * (line - 1) + code  # tracebacks show README.md's line numbers
-    exec(compile(padded, str(README), "exec"), ns)  # noqa: S102
+    ns: dict = {"__name__": f"docs_block_{index}"}
+    padded = "\n" * (line - 1) + code  # tracebacks show the page's line numbers
+    exec(compile(padded, str(page), "exec"), ns)  # noqa: S102
     jax.effects_barrier()
     out = capsys.readouterr().out
     for check in _checks_of(code):
@@ -321,20 +373,29 @@ def test_block_runs(index, tmp_path, capsys, restore_runtime_checks):
 
 
 def test_every_block_is_run():
-    fences = len(re.findall(r"^```python\s*$", TEXT, re.M))
+    fences = sum(
+        len(re.findall(r"^```python\s*$", text, re.M)) for text in TEXTS.values()
+    )
     assert fences == len(BLOCKS) == len(_params()), "a ```python block is not run"
-    assert len(BLOCKS) >= 10
+    assert PAGES[0] in {page for page, *_ in BLOCKS}, "the README has no block"
+    assert len(BLOCKS) >= 25
     for heading in SUBPROCESS:
         assert HEADINGS.count(heading) == 1, f"SUBPROCESS names {heading!r}"
     for heading in SUBPROCESS_CHECKS:
         assert heading in SUBPROCESS, heading
     for key in CHECKS:
-        found = [i for i, (_, _, code) in enumerate(BLOCKS) if key in code]
+        found = [i for i, (*_, code) in enumerate(BLOCKS) if key in code]
         assert len(found) == 1, f"CHECKS key {key!r} is in blocks {found}"
 
 
 # --------------------------------------------------------------------------- #
 # Commands.
+
+
+def _extras() -> set[str]:
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(ROOT) / "setup.cfg")
+    return set(config["options.extras_require"])
 
 
 def _make_targets() -> set[str]:
@@ -353,8 +414,12 @@ def _module_help(module: str, capsys) -> str:
 def test_make_commands_name_existing_targets():
     targets = _make_targets()
     assert {"test", "test-all", "demo"} <= targets
-    named = set(re.findall(r"`make ([a-z][\w-]*)", TEXT))
-    assert named, "the README names no make target"
+    named = {
+        target
+        for text in TEXTS.values()
+        for target in re.findall(r"`make ([a-z][\w-]*)", text)
+    }
+    assert {"test", "docs", "demo"} <= named, "the pages name no make target"
     assert named <= targets, f"not in the Makefile: {sorted(named - targets)}"
 
 
@@ -362,7 +427,10 @@ def test_make_targets_run_what_the_readme_says():
     makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
     demo = re.search(r"^demo:.*\n\t(.*)", makefile, re.M).group(1)
     assert "-m benchmarks.run --quick --out results" in demo
-    assert "`make demo` (`python -m benchmarks.run --quick --out results`)" in TEXT
+    contributing = TEXTS[PAGES[1]]
+    assert "`make demo` (`python -m benchmarks.run --quick --out results`)" in (
+        contributing
+    )
     test = re.search(r"^test:.*\n\t(.*)", makefile, re.M).group(1)
     assert '-m "not slow"' in test
 
@@ -373,14 +441,22 @@ def test_bash_blocks_name_existing_flags(capsys):
     targets = _make_targets()
     commands = [
         shlex.split(line.split("#")[0])
-        for _, _, code in _blocks("bash")
+        for *_, code in _blocks("bash")
         for line in code.splitlines()
         if line.split("#")[0].strip()
     ]
     assert commands
+    extras = _extras()
     for argv in commands:
         if argv[0] == "make":
             assert argv[1] in targets, argv
+            continue
+        if argv[:2] == ["pip", "install"]:
+            # `pip install .` or `pip install '.[extra]'`, from a clone.
+            found = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", argv[2])
+            assert found and len(argv) == 3, argv
+            named = set((found.group(1) or "").split(",")) - {""}
+            assert named <= extras, f"setup.cfg has no extra {named - extras}"
             continue
         assert argv[0].endswith("python") and argv[1] == "-m", argv
         module = argv[2]
@@ -413,3 +489,24 @@ def test_docstring_example_runs(name, restore_runtime_checks):
     result = runner.summarize(verbose=False)
     assert result.attempted >= 5, "the docstring has an example"
     assert result.failed == 0
+
+
+# --------------------------------------------------------------------------- #
+# The counts CONTRIBUTING.md states.
+
+
+@pytest.mark.slow
+def test_contributing_states_pytest_s_counts_of_the_tiers():
+    text = TEXTS[PAGES[1]]
+    fast = re.search(r"`make test` runs every test not marked `slow`\s+\(([\d,]+)", text)
+    every = re.search(r"`make test-all` runs everything\s+\(([\d,]+)", text)
+    assert fast and every, "CONTRIBUTING.md states no counts"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
+         "no:cacheprovider", "-m", "not slow", "tests"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    counts = re.search(r"(\d+)/(\d+) tests collected", proc.stdout)
+    assert counts, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stated = [int(m.group(1).replace(",", "")) for m in (fast, every)]
+    assert stated == [int(counts.group(1)), int(counts.group(2))], counts.group(0)

@@ -1,0 +1,188 @@
+"""The documentation site: its hooks, its build and how it renders.
+
+``make docs`` builds ``site/`` in strict mode (CI runs it). Here the hooks are
+checked on small inputs, so that a public name left off the API pages, a
+missing docstring or a broken include fails the build; and in the slow tier
+the site is built and its pages opened in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import logging
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytest.importorskip("mkdocs", reason="the docs extra: pip install '.[docs]'")
+HOOKS = pathlib.Path(ROOT) / "docs" / "hooks"
+
+
+def _hook(name: str):
+    spec = importlib.util.spec_from_file_location(f"hook_{name}", HOOKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Config:
+    config_file_path = os.path.join(ROOT, "mkdocs.yml")
+
+
+def _api_pages() -> str:
+    return "\n".join(p.read_text() for p in (HOOKS.parent / "api").glob("*.md"))
+
+
+def test_api_coverage_warns_of_each_public_name_on_no_page(caplog):
+    hook = _hook("api_coverage")
+    hook.on_config(_Config())
+    pages = _api_pages()
+    for left_out in ("revnet.scan", "revnet.nnx.ActNorm", "revnet.blocks.CONFIGS"):
+        hook.on_pre_build(None)
+        hook.on_page_markdown(pages.replace(f"::: {left_out}\n", ""), None, None, None)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            hook.on_post_build(None)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{left_out} is public but on no API page (add '::: {left_out}')"
+        ]
+    hook.on_pre_build(None)
+    hook.on_page_markdown(pages, None, None, None)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        hook.on_post_build(None)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_api_coverage_warns_of_a_name_without_a_docstring(caplog, monkeypatch):
+    import revnet
+
+    hook = _hook("api_coverage")
+    hook.on_config(_Config())
+    hook.on_pre_build(None)
+    hook.on_page_markdown(_api_pages(), None, None, None)
+    monkeypatch.setattr(revnet.kink, "__doc__", None)
+    with caplog.at_level(logging.WARNING):
+        hook.on_post_build(None)
+    assert [r.getMessage() for r in caplog.records] == ["revnet.kink has no docstring"]
+
+
+def test_doctest_runs_become_code_and_roles_inline_code():
+    hook = _hook("docstrings")
+    text = (
+        "Calls :func:`invertible`, raising :class:`~revnet.NotInvertibleError`.\n"
+        "\nExample:\n\n>>> x = 1\n... # more\n>>> x + 1\n2\n\nAfter."
+    )
+    want = (
+        "Calls `invertible`, raising `NotInvertibleError`.\n"
+        "\nExample:\n\n```pycon\n>>> x = 1\n... # more\n>>> x + 1\n2\n```\n\nAfter."
+    )
+    assert hook._ROLE.sub(hook._role, hook._fence(text)) == want
+
+
+def test_includes_rewrite_root_links_and_refuse_what_is_missing(tmp_path):
+    from mkdocs.exceptions import PluginError
+
+    hook = _hook("repo_links")
+    (tmp_path / "NOTES.md").write_text(
+        "See [loops](docs/guides/loops.md).\n"
+        "<!-- --8<-- [start:part] -->\n[How](CONTRIBUTING.md)\n"
+        "<!-- --8<-- [end:part] -->\n"
+    )
+
+    class Config:
+        config_file_path = str(tmp_path / "mkdocs.yml")
+
+    page = '# P\n\n--8<-- "NOTES.md"\n\n--8<-- "NOTES.md:part"\n'
+    got = hook.on_page_markdown(page, None, Config(), None)
+    assert "[loops](guides/loops.md)" in got and got.count("[How](contributing.md)") == 2
+    for missing in ('--8<-- "NOPE.md"', '--8<-- "NOTES.md:other"'):
+        with pytest.raises(PluginError, match="no such"):
+            hook.on_page_markdown(missing + "\n", None, Config(), None)
+
+
+# --------------------------------------------------------------------------- #
+# The built site, in a browser.
+
+
+def _chromium() -> str | None:
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    for path in ("/usr/lib/chromium/chromium-headless-shell",):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    handler = functools.partial(_QuietHandler, directory=str(out))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _render(url: str) -> tuple[str, str]:
+    """The DOM after scripts ran, and Chromium's log (console messages)."""
+    browser = _chromium()
+    assert browser, "Chromium is missing: make test-all installs it (Makefile)"
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu",
+         "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
+         "--dump-dom", url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, proc.stderr
+
+
+def _console_errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "CONSOLE" in line]
+
+
+@pytest.mark.slow
+def test_home_page_renders_without_console_errors(site):
+    dom, log = _render(f"{site}/")
+    assert re.search(r"<title>revnet</title>", dom), dom[:2000]
+    assert "Reversible neural networks with invertible VJPs" in dom
+    assert 'href="getting-started/"' in dom  # the navigation
+    assert not _console_errors(log), _console_errors(log)
+
+
+@pytest.mark.slow
+def test_invertible_api_page_renders_its_signature(site):
+    dom, log = _render(f"{site}/api/revnet/")
+    assert re.search(r"<title>revnet - revnet</title>", dom), dom[:2000]
+    heading = re.search(r'<h2 id="revnet\.invertible\.invertible"[^>]*>(.*?)</h2>', dom, re.S)
+    assert heading and "invertible" in re.sub(r"<[^>]+>", "", heading.group(1))
+    text = re.sub(r"<[^>]+>", "", dom)
+    assert re.search(r"invertible\(\s*fun", text), "no signature"
+    assert "known_argnums" in text
+    # The docstring's example is a code block, not a nest of quotes.
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in dom, "no example code"
+    assert "<blockquote>" not in dom
+    assert not _console_errors(log), _console_errors(log)
