@@ -10,14 +10,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# Haiku is an extra too (revnet.blocks); the test extra brings it, as the
+# tests import it throughout.
 $(STAMP_TEST): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,haiku]'
 	touch $@
 
 # The front doors' frameworks come with the experiments extra, so that `make
-# test` and CI run their tests; without them those tests skip, naming the extra.
+# test` and CI run their tests; without Flax or Equinox those tests skip,
+# naming the extra.
 $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,experiments,nnx,equinox,docs]'
+	$(PY) -m pip install -q -e '.[test,experiments,haiku,nnx,equinox,docs]'
 	touch $@
 
 # Headless Chromium (Debian's package) for the slow tier's test that opens the
@@ -94,4 +97,4 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests
 
 clean:
-	rm -rf $(VENV) results site .pytest_cache
+	rm -rf $(VENV) results site .pytest_cache build dist *.egg-info

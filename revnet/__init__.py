@@ -1,4 +1,4 @@
-"""revnet: reversible neural networks with invertible VJPs for JAX and Haiku.
+"""revnet: reversible neural networks with invertible VJPs for JAX.
 
 revnet inverts a JAX function equation by equation, so that its backward pass
 rebuilds each activation from the outputs instead of storing it: activation
@@ -42,7 +42,9 @@ Haiku: :mod:`revnet.blocks` holds the couplings, ``ReversibleSequence`` (an
 O(1)-memory stack of your own blocks), the RevNet family,
 ``ReversibleTransformer`` and the sharding helpers (``help(revnet.blocks)``).
 Flax NNX: :mod:`revnet.nnx`; Equinox: :mod:`revnet.eqx` (the same couplings,
-sequence, transformer block and flow layers, each the framework's way).
+sequence, transformer block and flow layers, each the framework's way). Each
+framework is an extra: ``pip install 'revnet[haiku]'``, ``'revnet[nnx]'``,
+``'revnet[equinox]'``; the core needs JAX only.
 
 README.md, section by section: "Quick start", "What can be inverted" (with
 "Decisions are stored", "What is stored" and "Values that cannot be

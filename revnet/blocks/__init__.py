@@ -22,6 +22,7 @@ has an ``inverse`` method.
   ``activation_sharding=`` shard the residual stream.
 
 README.md's "Haiku models" and "Scaling out" sections show each in use.
+Needs ``pip install 'revnet[haiku]'``.
 
 Example:
 
@@ -36,6 +37,13 @@ Example:
 >>> model.apply(params, None, x).shape
 (2, 8)
 """
+
+from revnet._extras import missing_extra
+
+try:
+    import haiku  # noqa: F401
+except ImportError as e:
+    raise missing_extra(__name__, e) from None
 
 from revnet.blocks.coupling import AdditiveCoupling, AffineCoupling
 from revnet.blocks.flow import ActNorm, InvertibleConv1x1

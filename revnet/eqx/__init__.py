@@ -12,12 +12,12 @@ different blocks), and runs them on revnet's framework-free stack
 Needs ``pip install 'revnet[equinox]'``.
 """
 
+from revnet._extras import missing_extra
+
 try:
     import equinox  # noqa: F401
-except ImportError:
-    raise ImportError(
-        "revnet.eqx needs equinox: pip install 'revnet[equinox]'"
-    ) from None
+except ImportError as e:
+    raise missing_extra(__name__, e) from None
 
 from revnet.eqx.coupling import AdditiveCoupling, AffineCoupling
 from revnet.eqx.flow import ActNorm, InvertibleConv1x1, Squeeze

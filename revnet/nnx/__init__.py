@@ -10,10 +10,12 @@ streams. It works with ``nnx.jit``, ``nnx.grad`` and ``nnx.Optimizer``, in
 NNX's graph mode (the default) and tree mode; hijax variables are refused.
 """
 
+from revnet._extras import missing_extra
+
 try:
     import flax.nnx  # noqa: F401
-except ImportError:
-    raise ImportError("revnet.nnx needs flax: pip install 'revnet[nnx]'") from None
+except ImportError as e:
+    raise missing_extra(__name__, e) from None
 
 from revnet.nnx.coupling import AdditiveCoupling, AffineCoupling
 from revnet.nnx.flow import ActNorm, InvertibleConv1x1, Squeeze

@@ -288,7 +288,7 @@ def restore_runtime_checks():
 
 
 def _skip_missing_packages(code: str) -> None:
-    for package, extra in (("flax", "nnx"), ("equinox", "equinox")):
+    for package, extra in (("haiku", "haiku"), ("flax", "nnx"), ("equinox", "equinox")):
         if re.search(rf"^\s*(import|from)\s+{package}\b", code, re.M):
             reason = f"the block imports {package}: pip install 'revnet[{extra}]'"
             pytest.importorskip(package, reason=reason)
