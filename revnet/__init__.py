@@ -43,14 +43,13 @@ O(1)-memory stack of your own blocks), the RevNet family,
 ``ReversibleTransformer`` and the sharding helpers (``help(revnet.blocks)``).
 Flax NNX: :mod:`revnet.nnx`; Equinox: :mod:`revnet.eqx` (the same couplings,
 sequence, transformer block and flow layers, each the framework's way). Each
-framework is an extra: ``pip install 'revnet[haiku]'``, ``'revnet[nnx]'``,
-``'revnet[equinox]'``; the core needs JAX only.
+framework is an extra: ``pip install '.[haiku]'``, ``'.[nnx]'``,
+``'.[equinox]'``; the core needs JAX only.
 
-README.md, section by section: "Quick start", "What can be inverted" (with
-"Decisions are stored", "What is stored" and "Values that cannot be
-inverted"), "Haiku models", "Loops", "Normalizing flows", "Numerical
-accuracy", "Scaling out" and
-"Limits". Every Python block there runs on its own.
+The guides are in ``docs/`` (``make docs`` builds the site): getting
+started, what can be inverted, decisions and what is stored, Haiku, Flax NNX,
+Equinox, loops, normalizing flows, numerical accuracy, scaling out,
+performance, and the limits. Every Python block there runs on its own.
 
 Example:
 

@@ -14,7 +14,10 @@ DOORS = {
 def message(door: str) -> str:
     """The one line a front door raises when its framework is missing."""
     _, distribution, extra = DOORS[door]
-    return f"{door} needs {distribution}: pip install 'revnet[{extra}]'"
+    return (
+        f"{door} needs {distribution}: pip install {distribution}, "
+        f"or '.[{extra}]' in a clone of revnet"
+    )
 
 
 def missing_extra(door: str, error: ImportError) -> ImportError:

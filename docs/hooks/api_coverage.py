@@ -55,9 +55,9 @@ def _has_docstring(module: str, name: str, obj) -> bool:
     return bool(found.docstring and found.docstring.value.strip())
 
 
-def on_post_build(config) -> None:
+def on_post_build(config, modules: tuple[str, ...] = MODULES) -> None:
     documented = {id(_resolve(path)) for path in _named}
-    for module_name in MODULES:
+    for module_name in modules:
         module = importlib.import_module(module_name)
         for name in module.__all__:
             obj, path = getattr(module, name), f"{module_name}.{name}"

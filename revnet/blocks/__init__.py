@@ -21,8 +21,9 @@ has an ``inverse`` method.
   places the parameters on a mesh; :func:`constrain` and the modules'
   ``activation_sharding=`` shard the residual stream.
 
-README.md's "Haiku models" and "Scaling out" sections show each in use.
-Needs ``pip install 'revnet[haiku]'``.
+The guides ``docs/guides/haiku.md`` and ``docs/guides/scaling.md`` show
+each in use.
+Needs ``pip install '.[haiku]'``.
 
 Example:
 

@@ -173,7 +173,7 @@ class AffineCoupling(hk.Module):
     min a``: ``3/2 + A`` and ``2 (1 + A)`` for the default. A bounded scale
     whose range lies mostly below 1 keeps ``m`` from growing with depth. In
     one measurement at depth 128 in float32 (``python -m
-    experiments.numerics``, the README's accuracy table) the default's
+    experiments.numerics``, the accuracy table in docs/guides/numerics.md) the default's
     reconstruction error was 5e-3 and that of ``scale="tanh"`` with ``b = 2``
     5.9e3; the latter is an unstable configuration whose exact error depends
     on the machine (the tests check the default against its standard twin).

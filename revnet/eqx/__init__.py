@@ -9,7 +9,7 @@ or revnet's couplings and :class:`ReversibleTransformerBlock`).
 ``eqx.filter_vmap``, as in Equinox's scan-over-layers recipe (or a list of
 different blocks), and runs them on revnet's framework-free stack
 (``revnet/_layers/stack.py``), the one under the Haiku and Flax NNX front doors too.
-Needs ``pip install 'revnet[equinox]'``.
+Needs ``pip install '.[equinox]'``.
 """
 
 from revnet._extras import missing_extra

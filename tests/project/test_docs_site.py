@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -64,17 +65,23 @@ def test_api_coverage_warns_of_each_public_name_on_no_page(caplog):
     assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
-def test_api_coverage_warns_of_a_name_without_a_docstring(caplog, monkeypatch):
-    import revnet
-
+def test_api_coverage_warns_of_a_name_without_a_docstring(caplog):
     hook = _hook("api_coverage")
     hook.on_config(_Config())
-    hook.on_pre_build(None)
-    hook.on_page_markdown(_api_pages(), None, None, None)
-    monkeypatch.setattr(revnet.kink, "__doc__", None)
-    with caplog.at_level(logging.WARNING):
-        hook.on_post_build(None)
-    assert [r.getMessage() for r in caplog.records] == ["revnet.kink has no docstring"]
+    module = types.ModuleType("documented_module")
+    exec("def shown():\n    'A docstring.'\n\ndef bare():\n    pass\n", vars(module))
+    module.__all__ = ["shown", "bare"]
+    sys.modules[module.__name__] = module
+    try:
+        hook.on_pre_build(None)
+        page = "::: documented_module.shown\n\n::: documented_module.bare\n"
+        hook.on_page_markdown(page, None, None, None)
+        with caplog.at_level(logging.WARNING):
+            hook.on_post_build(None, modules=(module.__name__,))
+    finally:
+        del sys.modules[module.__name__]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["documented_module.bare has no docstring"]
 
 
 def test_doctest_runs_become_code_and_roles_inline_code():
@@ -105,7 +112,9 @@ def test_includes_rewrite_root_links_and_refuse_what_is_missing(tmp_path):
 
     page = '# P\n\n--8<-- "NOTES.md"\n\n--8<-- "NOTES.md:part"\n'
     got = hook.on_page_markdown(page, None, Config(), None)
-    assert "[loops](guides/loops.md)" in got and got.count("[How](contributing.md)") == 2
+    assert (
+        "[loops](guides/loops.md)" in got and got.count("[How](contributing.md)") == 2
+    )
     for missing in ('--8<-- "NOPE.md"', '--8<-- "NOTES.md:other"'):
         with pytest.raises(PluginError, match="no such"):
             hook.on_page_markdown(missing + "\n", None, Config(), None)
@@ -177,7 +186,9 @@ def test_home_page_renders_without_console_errors(site):
 def test_invertible_api_page_renders_its_signature(site):
     dom, log = _render(f"{site}/api/revnet/")
     assert re.search(r"<title>revnet - revnet</title>", dom), dom[:2000]
-    heading = re.search(r'<h2 id="revnet\.invertible\.invertible"[^>]*>(.*?)</h2>', dom, re.S)
+    heading = re.search(
+        r'<h2 id="revnet\.invertible\.invertible"[^>]*>(.*?)</h2>', dom, re.S
+    )
     assert heading and "invertible" in re.sub(r"<[^>]+>", "", heading.group(1))
     text = re.sub(r"<[^>]+>", "", dom)
     assert re.search(r"invertible\(\s*fun", text), "no signature"

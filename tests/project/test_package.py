@@ -24,12 +24,17 @@ from tests.helpers import ROOT
 DOORS = {
     "revnet.blocks": (
         "haiku",
-        "revnet.blocks needs dm-haiku: pip install 'revnet[haiku]'",
+        "revnet.blocks needs dm-haiku: "
+        "pip install dm-haiku, or '.[haiku]' in a clone of revnet",
     ),
-    "revnet.nnx": ("nnx", "revnet.nnx needs flax: pip install 'revnet[nnx]'"),
+    "revnet.nnx": (
+        "nnx",
+        "revnet.nnx needs flax: pip install flax, or '.[nnx]' in a clone of revnet",
+    ),
     "revnet.eqx": (
         "equinox",
-        "revnet.eqx needs equinox: pip install 'revnet[equinox]'",
+        "revnet.eqx needs equinox: "
+        "pip install equinox, or '.[equinox]' in a clone of revnet",
     ),
 }
 # Pinned in the clean environment to the versions this suite runs with, where

@@ -24,7 +24,7 @@ from tests.doors.adapters import (
 
 REQUIRES = "equinox"
 pytest.importorskip(
-    REQUIRES, reason="the equinox door needs equinox: pip install 'revnet[equinox]'"
+    REQUIRES, reason="the equinox door needs equinox: pip install '.[equinox]'"
 )
 
 import equinox as eqx  # noqa: E402

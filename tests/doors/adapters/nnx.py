@@ -30,7 +30,7 @@ from tests.helpers import cast_floats
 
 REQUIRES = "flax"
 pytest.importorskip(
-    REQUIRES, reason="the nnx door needs flax: pip install 'revnet[nnx]'"
+    REQUIRES, reason="the nnx door needs flax: pip install '.[nnx]'"
 )
 
 from flax import nnx  # noqa: E402

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 eqx = pytest.importorskip(
-    "equinox", reason="revnet.eqx needs equinox: pip install 'revnet[equinox]'"
+    "equinox", reason="revnet.eqx needs equinox: pip install '.[equinox]'"
 )
 optax = pytest.importorskip("optax")
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import ROOT, assert_trees_close, cast_floats, load_example, tolerance
 
-pytest.importorskip("flax", reason="revnet.nnx needs flax: pip install 'revnet[nnx]'")
+pytest.importorskip("flax", reason="revnet.nnx needs flax: pip install '.[nnx]'")
 optax = pytest.importorskip("optax")
 
 from flax import nnx  # noqa: E402
