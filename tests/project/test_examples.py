@@ -122,10 +122,13 @@ def copy(saved, tmp_path):
     return directory
 
 
-def _files(directory):
-    step = os.path.join(directory, "step_000001")
-    found = [os.path.join(r, n) for r, _, ns in os.walk(step) for n in ns]
-    return sorted(found, key=os.path.getsize, reverse=True) + [step + ".json"]
+def _files(directory, step=1):
+    """The files of ``step``'s data folder, largest first, then its record."""
+    record = os.path.join(directory, f"step_{step:06d}.json")
+    with open(record) as f:
+        data = os.path.join(directory, json.load(f)["data"])
+    found = [os.path.join(r, n) for r, _, ns in os.walk(data) for n in ns]
+    return sorted(found, key=os.path.getsize, reverse=True) + [record]
 
 
 def test_state_round_trips_exactly(copy):
