@@ -14,7 +14,9 @@ temp memory (``memory_analysis().temp_size_in_bytes``) is printed once.
 
 With ``--out DIR`` the training state is saved in ``DIR/state`` after every
 epoch (orbax-checkpoint, SHA-256-checked before it is read; see ``_state.py``),
-and a rerun with the same ``--out`` continues where the last run stopped.
+and a rerun with the same ``--out`` continues where the last run stopped. A bad
+flag ends it at once with one line (exit status 2), a failed save with one line
+(exit status 1).
 """
 
 from __future__ import annotations
