@@ -64,8 +64,10 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 def one_line(err: BaseException) -> str:
-    """``err``'s message on one line, at most 300 characters."""
-    return " ".join(str(err).split())[:300] or type(err).__name__
+    """``err``'s message on one line: its start and its end (often the
+    reason) when it is longer than 500 characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 500 else f"{text[:200]} ... {text[-300:]}"
 
 
 def orbax_call(method: str, path: str, args: Any) -> Any:
