@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import math
@@ -37,17 +38,35 @@ MIB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _load_flags():
+    """``examples/_flags.py``, the flag types the examples use too (the
+    examples are scripts, not a package: loaded from its file)."""
+    path = os.path.join(ROOT, "examples", "_flags.py")
+    spec = importlib.util.spec_from_file_location("revnet_examples_flags", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+flags = _load_flags()
+
+
 def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
-    """Parses ``--out DIR``, ``--quick``, ``--tiny`` (implies quick) and ``add``'s."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--out", default="results", help="output folder")
+    """Parses ``--out DIR``, ``--quick``, ``--tiny`` (implies quick) and ``add``'s.
+
+    A bad flag, or an output folder that cannot be written, ends the program
+    at once with one line and exit status 2 (``examples/_flags.py``).
+    """
+    parser = flags.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=flags.writable_dir, default="results", help="output folder"
+    )
     parser.add_argument("--quick", action="store_true", help="a smaller run")
     parser.add_argument("--tiny", action="store_true", help="smallest (tests)")
     if add is not None:
         add(parser)
     args = parser.parse_args(argv)
     args.quick = args.quick or args.tiny
-    os.makedirs(args.out, exist_ok=True)
     return args
 
 

@@ -12,6 +12,7 @@ from the JSON files in ``--out`` by each module's ``markdown``;
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -25,8 +26,18 @@ from benchmarks import BENCHMARKS, measure
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _names(text: str) -> list[str]:
+    """The benchmarks named in ``a,b``; an unknown one is a bad flag."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; see {list(BENCHMARKS)}")
+    return names
+
+
 def _flags(parser) -> None:
-    parser.add_argument("--only", default=",".join(BENCHMARKS), help="names, a,b")
+    only = ",".join(BENCHMARKS)
+    parser.add_argument("--only", type=_names, default=only, help="names, a,b")
     parser.add_argument("--report-only", action="store_true", help="no runs")
 
 
@@ -61,12 +72,7 @@ def write_report(out: str, names: Sequence[str], runs: Sequence[list]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the chosen benchmarks, then writes the report; 1 if any failed."""
     args = measure.parse(__doc__, argv, _flags)
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = set(names) - set(BENCHMARKS)
-    if unknown:
-        raise SystemExit(
-            f"unknown benchmarks {sorted(unknown)}; see {list(BENCHMARKS)}"
-        )
+    names = args.only
     size = ["--tiny"] if args.tiny else ["--quick"] if args.quick else []
     runs = []
     out = os.path.abspath(args.out)

@@ -162,8 +162,9 @@ def measure_rows(depths: list[int], collectives_depth: int) -> list[dict]:
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--depths", type=int, nargs="+", default=None)
-    parser.add_argument("--collectives-depth", type=int, default=8)
+    count = measure.flags.positive_int
+    parser.add_argument("--depths", type=count, nargs="+", default=None)
+    parser.add_argument("--collectives-depth", type=count, default=8)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 

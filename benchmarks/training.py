@@ -12,7 +12,6 @@ curves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -75,11 +74,7 @@ def _plot(results: dict, out: str) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs both examples, writes ``<out>/train.json`` and the plots."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results")
-    parser.add_argument("--quick", action="store_true", help="fewer epochs")
-    parser.add_argument("--tiny", action="store_true", help="the examples' --smoke")
-    args = parser.parse_args(argv)
+    args = measure.parse(__doc__, argv)  # --tiny: the examples' --smoke
     work = os.path.join(args.out, NAME)
     digits = ["--smoke"] if args.tiny else ["--epochs", "4" if args.quick else "10"]
     loop = ["--smoke"] if args.tiny else ["--steps", "50" if args.quick else "200"]

@@ -14,7 +14,9 @@ temp memory (``memory_analysis().temp_size_in_bytes``) is printed once.
 
 With ``--out DIR`` the training state is saved in ``DIR/state`` after every
 epoch (orbax-checkpoint, SHA-256-checked before it is read; see ``_state.py``),
-and a rerun with the same ``--out`` continues where the last run stopped.
+and a rerun with the same ``--out`` continues where the last run stopped. A bad
+flag ends it at once with one line (exit status 2), a failed save with one line
+(exit status 1).
 """
 
 from __future__ import annotations
@@ -26,7 +28,30 @@ import sys
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _state, and revnet from a checkout
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, _state, revnet from a checkout
+
+import _flags  # noqa: E402
+
+N_TRAIN = 1797 - 360  # the digits less train_test_split's 20% (rounded up) for tests
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--smoke", action="store_true", help="a few tiny steps")
+    add("--epochs", type=_flags.positive_int, default=None, help="default 10")
+    add("--out", type=_flags.writable_dir, help="JSON and resumable state")
+    add("--batch", type=_flags.positive_int, default=64)
+    add("--lr", type=_flags.finite_positive_float, default=0.05, help="SGD+momentum")
+    add("--seed", type=_flags.non_negative_int, default=0)
+    args = parser.parse_args(argv)
+    _flags.at_most(parser, "--batch", args.batch, N_TRAIN, "training images")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags end here, before the slow imports below
 
 import _state  # noqa: E402
 import haiku as hk  # noqa: E402
@@ -65,9 +90,8 @@ def update(net, optimiser, ts: TrainingState, images, labels):
     grad_fn = jax.value_and_grad(functools.partial(loss, net), has_aux=True)
     (value, state), grads = grad_fn(ts.params, ts.state, images, labels)
     updates, opt_state = optimiser.update(grads, ts.opt_state, ts.params)
-    return TrainingState(
-        optax.apply_updates(ts.params, updates), state, opt_state
-    ), value
+    new = TrainingState(optax.apply_updates(ts.params, updates), state, opt_state)
+    return new, value
 
 
 def evaluate(net, ts: TrainingState, images, labels) -> jax.Array:
@@ -78,12 +102,8 @@ def evaluate(net, ts: TrainingState, images, labels) -> jax.Array:
 
 def gradient_gap(nets, ts: TrainingState, images, labels):
     """Largest |gradient difference| of the twins at ``ts``, and largest |grad|."""
-    grads = [
-        jax.grad(functools.partial(loss, nets[t]), has_aux=True)(
-            ts.params, ts.state, images, labels
-        )[0]
-        for t in TWINS
-    ]
+    fns = [jax.grad(functools.partial(loss, nets[t]), has_aux=True) for t in TWINS]
+    grads = [fn(ts.params, ts.state, images, labels)[0] for fn in fns]
     diff = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), *grads)
     return jnp.max(jnp.stack(jax.tree.leaves(diff))), jnp.max(
         jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads[1])])
@@ -91,14 +111,7 @@ def gradient_gap(nets, ts: TrainingState, images, labels):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
-    parser.add_argument("--epochs", type=int, default=None, help="default 10")
-    parser.add_argument("--out", default=None, help="JSON and resumable state")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD, momentum 0.9")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     epochs = args.epochs or (2 if args.smoke else 10)
     units, width = ((1,), 8) if args.smoke else ((2, 2), 16)
     config = RevNetConfig(units, (width,) * 2 + tuple(2 * width for _ in units[1:]))
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     x_tr, x_te, y_tr, y_te = train_test_split(
         images, data.target.astype(np.int32), test_size=0.2, random_state=0
     )
-    steps = len(x_tr) // args.batch if not args.smoke else 3
+    steps = min(3, len(x_tr) // args.batch) if args.smoke else len(x_tr) // args.batch
 
     nets = {
         t: hk.transform_with_state(
@@ -124,12 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     twins = {t: fresh for t in TWINS}
     batch = (x_tr[: args.batch], y_tr[: args.batch])
     # Compiled once each; the compiled step's memory is the twin's figure.
-    steps_fn = {
-        t: jax.jit(functools.partial(update, nets[t], optimiser))
-        .lower(fresh, *batch)
-        .compile()
-        for t in TWINS
-    }
+    jits = {t: jax.jit(functools.partial(update, nets[t], optimiser)) for t in TWINS}
+    steps_fn = {t: jits[t].lower(fresh, *batch).compile() for t in TWINS}
     temp = {t: int(steps_fn[t].memory_analysis().temp_size_in_bytes) for t in TWINS}
     evals = {t: jax.jit(functools.partial(evaluate, nets[t])) for t in TWINS}
     gap_fn = jax.jit(functools.partial(gradient_gap, nets))
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"digits: {err}; trying an older state", file=sys.stderr)
             continue
         if meta["config"] != run_config:
-            sys.exit(f"digits: {state_dir} holds another configuration's run")
+            _flags.fail(f"{state_dir} holds another configuration's run")
         history = meta["history"]
         print(f"resuming after epoch {len(history)} from {state_dir}")
         break
@@ -184,4 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (_state.StateError, OSError) as err:  # saving failed: one line, exit 1
+        _flags.fail(err)

@@ -20,7 +20,30 @@ import os
 import sys
 from typing import NamedTuple
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, and revnet from a checkout
+
+import _flags  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    add, count = parser.add_argument, _flags.positive_int
+    add("--smoke", action="store_true", help="3 tiny steps")
+    add("--steps", type=count, default=None, help="default 50")
+    add("--depth", type=count, default=None, help="default 16")
+    add("--width", type=count, default=32)
+    add("--batch", type=count, default=64)
+    add("--lr", type=_flags.finite_positive_float, default=1e-3, help="Adam")
+    add("--seed", type=_flags.non_negative_int, default=0)
+    args = parser.parse_args(argv)
+    _flags.at_most(parser, "--batch", args.batch, 1797, "images")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags end here, before the slow imports below
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -109,15 +132,7 @@ def make_step(optimiser):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="3 tiny steps")
-    parser.add_argument("--steps", type=int, default=None, help="default 50")
-    parser.add_argument("--depth", type=int, default=None, help="default 16")
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     steps = args.steps or (3 if args.smoke else 50)
     depth = args.depth or (2 if args.smoke else 16)
     width = 8 if args.smoke else args.width

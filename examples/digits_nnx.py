@@ -19,7 +19,23 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, and revnet from a checkout
+
+import _flags  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=_flags.positive_int, default=200)
+    parser.add_argument("--depth", type=_flags.positive_int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags end here, before the slow imports below
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -136,11 +152,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.smoke:
         losses = train(3, depth=2, width=16, batch=32, verbose=True)
     else:

@@ -22,7 +22,31 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _state, and revnet from a checkout
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, _state, revnet from a checkout
+
+import _flags  # noqa: E402
+
+N_TRAIN = 1797 - 360  # the digits less train_test_split's 20% (rounded up) for tests
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    add, count = parser.add_argument, _flags.positive_int
+    add("--smoke", action="store_true", help="a few tiny steps")
+    add("--steps", type=count, default=None, help="default 2000")
+    add("--depth", type=count, default=None, help="steps per scale")
+    add("--batch", type=count, default=64)
+    add("--lr", type=_flags.finite_positive_float, default=1e-3, help="Adam")
+    add("--seed", type=_flags.non_negative_int, default=0)
+    add("--out", type=_flags.writable_dir, help="JSON and PNG go here")
+    args = parser.parse_args(argv)
+    _flags.at_most(parser, "--batch", args.batch, N_TRAIN, "training images")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags end here, before the slow imports below
 
 import _state  # noqa: E402
 import haiku as hk  # noqa: E402
@@ -91,15 +115,7 @@ def save_grid(images: np.ndarray, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
-    parser.add_argument("--steps", type=int, default=None, help="default 2000")
-    parser.add_argument("--depth", type=int, default=None, help="steps per scale")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON and PNG go here")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     steps = args.steps or (3 if args.smoke else 2000)
     depth = args.depth or (2 if args.smoke else 8)
     hidden = 8 if args.smoke else 32
@@ -167,4 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as err:  # writing the results failed: one line, exit 1
+        _flags.fail(err)

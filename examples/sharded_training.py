@@ -17,17 +17,27 @@ import os
 import sys
 from typing import NamedTuple
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, and revnet from a checkout
+
+import _flags  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="forced CPU devices")
-    parser.add_argument("--data", type=int, default=4, help="size of the data axis")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--explicit", action="store_true", help="Explicit mesh axes")
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
-    return parser.parse_args(argv)
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    add, count = parser.add_argument, _flags.positive_int
+    add("--devices", type=count, default=8, help="forced CPU devices")
+    add("--data", type=count, default=4, help="size of the data axis")
+    add("--steps", type=count, default=200)
+    add("--layers", type=count, default=8)
+    add("--batch", type=count, default=32)
+    add("--explicit", action="store_true", help="Explicit mesh axes")
+    add("--smoke", action="store_true", help="a few tiny steps")
+    args = parser.parse_args(argv)
+    if args.devices % args.data or (not args.smoke and args.batch % args.data):
+        parser.error(f"--data {args.data} must divide --devices and --batch")
+    return args
 
 
 ARGS = parse_args()
@@ -37,8 +47,6 @@ if ARGS.devices > 1:
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={ARGS.devices}"
     )
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import haiku as hk  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -22,7 +22,24 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _state, and revnet from a checkout
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # _flags, _state, revnet from a checkout
+
+import _flags  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a bad one ends the program with one line (exit status 2)."""
+    parser = _flags.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--smoke", action="store_true", help="a few tiny steps")
+    add("--steps", type=_flags.positive_int, default=None, help="training steps")
+    add("--out", type=_flags.writable_dir, help="writes DIR/while_loop.json")
+    add("--seed", type=_flags.non_negative_int, default=0)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags end here, before the slow imports below
 
 import _state  # noqa: E402
 import jax  # noqa: E402
@@ -134,12 +151,7 @@ def temp_bytes(method: str, params: dict, q0, p0, n: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps")
-    parser.add_argument("--steps", type=int, default=None, help="training steps")
-    parser.add_argument("--out", default=None, help="writes DIR/while_loop.json")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     batch, width, t_max = (4, 8, 1.0) if args.smoke else (32, 32, 4.0)
     train_steps = args.steps or (3 if args.smoke else 200)
     counts = [8, 32] if args.smoke else [16, 128, 1024]
@@ -177,4 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as err:  # writing the results failed: one line, exit 1
+        _flags.fail(err)

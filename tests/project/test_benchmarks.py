@@ -222,6 +222,27 @@ def test_experiments_entries_run(name):
     assert "--out" in proc.stdout and "--tiny" in proc.stdout
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "experiments.memory", "--out", "/proc/not-writable"],
+        ["-m", "benchmarks.training", "--tiny", "--out", "/proc/not-writable"],
+        ["-m", "benchmarks.run", "--only", "memory,nope"],
+        ["-m", "benchmarks.sharding", "--depths", "4", "0"],
+    ],
+    ids=lambda a: " ".join(a[1:3]),
+)
+def test_bad_flags_end_at_once_with_one_line(argv):
+    """Exit status 2 and one line on stderr, before anything runs."""
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and ": error: argument --" in lines[0], lines[:5]
+    assert proc.stdout == ""
+
+
 def test_one_list_names_every_benchmark_module():
     for module in BENCHMARKS.values():
         if os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py")):

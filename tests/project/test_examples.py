@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,6 +33,121 @@ def run_example(script: str, *flags: str, env: dict | None = None) -> str:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+def run_bad(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    """Runs ``python *argv`` in the repository; it must end within 30 s."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        **kwargs,
+    )
+    assert time.monotonic() - start < 30
+    return proc
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, prog: str):
+    """Exit status ``code``, one line on stderr, no traceback, nothing run."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), lines[:5]
+    assert "Traceback" not in proc.stderr
+
+
+# digits' training split: what --batch is checked against.
+N_TRAIN = 1797 - 360
+BAD_DIGITS_FLAGS = [
+    ["--epochs", "0"],
+    ["--epochs", "-2"],
+    ["--epochs", "ten"],
+    ["--lr", "nan"],
+    ["--lr", "inf"],
+    ["--lr", "0"],
+    ["--lr", "-0.1"],
+    ["--batch", "0"],
+    ["--batch", "5000"],
+    ["--batch", str(N_TRAIN + 1)],
+    ["--seed", "-1"],
+    ["--out", "/proc/not-writable"],
+    ["--out", "FILE"],  # a regular file
+]
+
+
+def test_digits_training_split_is_what_batch_is_checked_against():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    images = np.arange(len(load_digits().target))
+    train = train_test_split(images, test_size=0.2, random_state=0)[0]
+    assert len(images) == 1797 and len(train) == N_TRAIN
+
+
+@pytest.mark.parametrize("entry", ["examples/digits.py", "-m experiments.train"])
+@pytest.mark.parametrize("flags", BAD_DIGITS_FLAGS, ids=" ".join)
+def test_bad_flags_end_at_once_with_one_line(entry, flags, tmp_path):
+    """Exit status 2 and one line, before anything is trained or written."""
+    (tmp_path / "FILE").write_text("")
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    proc = run_bad(*entry.split(), "--smoke", *flags)
+    assert_one_line_error(proc, 2, "digits.py")
+    assert proc.stdout == ""  # nothing compiled, nothing trained
+    assert flags[0][2:] in proc.stderr
+    if flags[0] == "--batch" and int(flags[1]) > N_TRAIN:
+        assert f"the {N_TRAIN} training images" in proc.stderr
+
+
+OTHER_BAD_FLAGS = [
+    ("digits_eqx", "--lr", "nan"),
+    ("digits_eqx", "--batch", "1798"),
+    ("digits_eqx", "--width", "0"),
+    ("digits_nnx", "--depth", "0"),
+    ("flow_digits", "--out", "/proc/not-writable"),
+    ("flow_digits", "--batch", str(N_TRAIN + 1)),
+    ("flow_digits", "--steps", "0"),
+    ("while_loop", "--steps", "-1"),
+    ("while_loop", "--out", "/proc/not-writable"),
+    ("sharded_training", "--data", "3"),
+    ("sharded_training", "--layers", "0"),
+]
+
+
+@pytest.mark.parametrize("script, flag, value", OTHER_BAD_FLAGS)
+def test_the_other_examples_bad_flags_end_at_once(script, flag, value):
+    proc = run_bad(os.path.join(EXAMPLES, f"{script}.py"), flag, value)
+    assert_one_line_error(proc, 2, f"{script}.py")
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_a_failed_save_ends_training_with_one_line(tmp_path):
+    """Files over 1 KiB cannot be written (RLIMIT_FSIZE; the --out check
+    passes): orbax's save fails inside its threads, and the run ends at once
+    with one line and exit status 1, no traceback and no hang."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    out = str(tmp_path / "out")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--tiny", "--epochs", "1"]
+        + ["--out", out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit,
+    )
+    assert_one_line_error(proc, 1, "digits.py")
+    assert "cannot save step 1" in proc.stderr and "File too large" in proc.stderr
+    assert "epoch 1:" in proc.stdout  # it trained, then failed to save
+    assert time.monotonic() - start < 300
+    assert state.steps(os.path.join(out, "state")) == []
 
 
 def test_examples_are_short():
@@ -122,10 +238,13 @@ def copy(saved, tmp_path):
     return directory
 
 
-def _files(directory):
-    step = os.path.join(directory, "step_000001")
-    found = [os.path.join(r, n) for r, _, ns in os.walk(step) for n in ns]
-    return sorted(found, key=os.path.getsize, reverse=True) + [step + ".json"]
+def _files(directory, step=1):
+    """The files of ``step``'s data folder, largest first, then its record."""
+    record = os.path.join(directory, f"step_{step:06d}.json")
+    with open(record) as f:
+        data = os.path.join(directory, json.load(f)["data"])
+    found = [os.path.join(r, n) for r, _, ns in os.walk(data) for n in ns]
+    return sorted(found, key=os.path.getsize, reverse=True) + [record]
 
 
 def test_state_round_trips_exactly(copy):
