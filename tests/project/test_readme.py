@@ -352,7 +352,7 @@ def _module_help(module: str, capsys) -> str:
 
 def test_make_commands_name_existing_targets():
     targets = _make_targets()
-    assert {"test", "test-all", "demo"} <= targets
+    assert {"test", "test-all", "demo", "demo-full"} <= targets
     named = set(re.findall(r"`make ([a-z][\w-]*)", TEXT))
     assert named, "the README names no make target"
     assert named <= targets, f"not in the Makefile: {sorted(named - targets)}"
@@ -361,8 +361,11 @@ def test_make_commands_name_existing_targets():
 def test_make_targets_run_what_the_readme_says():
     makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
     demo = re.search(r"^demo:.*\n\t(.*)", makefile, re.M).group(1)
-    assert "-m benchmarks.run --quick --out results" in demo
-    assert "`make demo` (`python -m benchmarks.run --quick --out results`)" in TEXT
+    assert "-m benchmarks.demo --out results" in demo
+    assert "`make demo` (`python -m benchmarks.demo --out results`)" in TEXT
+    full = re.search(r"^demo-full:.*\n\t(.*)", makefile, re.M).group(1)
+    assert "-m benchmarks.run --quick --out results/full" in full
+    assert "`make demo-full` (`python -m benchmarks.run --quick" in TEXT
     test = re.search(r"^test:.*\n\t(.*)", makefile, re.M).group(1)
     assert '-m "not slow"' in test
 
