@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import measure, memory, models, training
+from benchmarks.run import progress
 
 NAME = "demo"
 MODEL = "mlp"
@@ -66,17 +66,6 @@ SIZES = {
 DIGITS_NET = "units (2, 2), widths 16 and 32"  # examples/digits.py's
 SMOKE_NET = "units (1,), width 8, 3 steps an epoch (its --smoke size)"
 FULL_SET = "about 23 min on 2 cores (last measured, before this demo existed)"
-
-
-def progress(items: Sequence[Any], desc: str) -> Any:
-    """``items`` under a tqdm progress bar (on stderr), or bare without tqdm."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm comes with the experiments extra
-        return items
-    if not items:
-        return items
-    return tqdm(items, desc=desc, unit="part", file=sys.stderr)
 
 
 def train_twins(size: dict[str, Any], out: str) -> dict[str, Any]:

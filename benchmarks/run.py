@@ -19,11 +19,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from benchmarks import BENCHMARKS, measure
-from benchmarks.demo import progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def progress(items: Sequence[Any], desc: str) -> Any:
+    """``items`` under a tqdm progress bar (on stderr), or bare without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the experiments extra
+        return items
+    if not items:
+        return items
+    return tqdm(items, desc=desc, unit="part", file=sys.stderr)
 
 
 def _flags(parser) -> None:
