@@ -26,7 +26,7 @@ from benchmarks import BENCHMARKS, measure
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def progress(items: Sequence[Any], desc: str) -> Any:
+def progress(items: Sequence[Any], desc: str, unit: str = "part") -> Any:
     """``items`` under a tqdm progress bar (on stderr), or bare without tqdm."""
     try:
         from tqdm import tqdm
@@ -34,7 +34,7 @@ def progress(items: Sequence[Any], desc: str) -> Any:
         return items
     if not items:
         return items
-    return tqdm(items, desc=desc, unit="part", file=sys.stderr)
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr)
 
 
 def _flags(parser) -> None:
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     out = os.path.abspath(args.out)
     todo = [] if args.report_only else names
-    for name in progress(todo, "benchmarks"):
+    for name in progress(todo, "benchmarks", "benchmark"):
         if not os.path.exists(os.path.join(HERE, f"{BENCHMARKS[name]}.py")):
             print(f"[run] skipping {name}: no benchmarks/{BENCHMARKS[name]}.py")
             continue
