@@ -65,7 +65,10 @@ SIZES = {
 }
 DIGITS_NET = "units (2, 2), widths 16 and 32"  # examples/digits.py's
 SMOKE_NET = "units (1,), width 8, 3 steps an epoch (its --smoke size)"
-FULL_SET = "about 23 min on 2 cores (last measured, before this demo existed)"
+FULL_SET = (
+    "about 23 min on 2 otherwise idle cores (measured before this demo existed; "
+    "much longer on shared cores)"
+)
 
 
 def train_twins(size: dict[str, Any], out: str) -> dict[str, Any]:
