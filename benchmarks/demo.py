@@ -66,8 +66,8 @@ SIZES = {
 DIGITS_NET = "units (2, 2), widths 16 and 32"  # examples/digits.py's
 SMOKE_NET = "units (1,), width 8, 3 steps an epoch (its --smoke size)"
 FULL_SET = (
-    "about 23 min on 2 otherwise idle cores (measured before this demo existed; "
-    "much longer on shared cores)"
+    "about 23 min on 2 cores (the last full measurement, before this demo "
+    "existed; over 49 min on 2 cores shared with other jobs)"
 )
 
 
