@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
 
-.PHONY: test test-all test-next demo docs chromium fuzz lint clean
+.PHONY: test test-all test-next demo demo-full docs chromium fuzz lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,8 +78,25 @@ test-next: $(STAMP_TEST)
 	JAX_SCAN3=1 $(NEXT_RUN) $(NEXT_SCAN_TESTS) || status=1; \
 	exit $$status
 
+# The demo, in results/REPORT.md with one plot (benchmarks/demo.py): the digits
+# RevNet trained reversible and standard (10 epochs, the twins' largest gradient
+# difference at the same parameters), compiled memory of a training step
+# against depth (reversible flat, standard backprop linear, per-layer
+# jax.checkpoint between), and the step-time ratio at one size (a median).
+# Measured with the venv already installed: 3 min 21 s wall (89 s CPU, user +
+# sys) on 2 cores shared with other jobs (load average 7 to 9); 73 s wall at 4
+# epochs under less load. A fresh clone adds the install (not timed here).
 demo: $(STAMP_EXP)
-	$(PY) -m benchmarks.run --quick --out results
+	$(PY) -m benchmarks.demo --out results
+
+# Every benchmark of benchmarks/__init__.py at its --quick size, each in its own
+# process, into results/full/REPORT.md: about 23 min on 2 cores (last measured
+# as `make demo` before the demo was split off; 22 min 43 s from a fresh clone).
+# On 2 cores shared with other jobs (load 5 to 9) it takes far longer: memory
+# 9.3 min, speed 9.8, train 1.0, numerics 2.7, and loops was stopped unfinished
+# after 26 min (49 min in all by then).
+demo-full: $(STAMP_EXP)
+	$(PY) -m benchmarks.run --quick --out results/full
 
 # Random programs against plain JAX (make test-all runs 1,000 of them): prints the
 # counts per construct and the first failures; exits 1 if a program was wrong.

@@ -305,6 +305,7 @@ def figure(results: dict[str, Any]) -> Any:
     import matplotlib.ticker
 
     names = [m for m, r in results["models"].items() if r.get("rows")]
+    tiny = results.get("size") == "tiny"
     fig, axes = plt.subplots(
         len(names), 3, figsize=(16, 5.8 * len(names)), squeeze=False
     )
@@ -316,7 +317,10 @@ def figure(results: dict[str, Any]) -> Any:
             if "hline" in panel:
                 y, label = panel["hline"]
                 ax.axhline(y, color="gray", ls=":", lw=1.2, label=label)
-            ax.set_title(f"{name}: {panel['title']}", fontsize=10)
+            title = f"{name}: {panel['title']}"
+            if tiny and panel["title"].startswith("step time"):
+                title = f"{name}: TINY RUN, NOT A RESULT\n{panel['title']}"
+            ax.set_title(title, fontsize=10)
             ax.set(xlabel=f"depth ({unit})", ylabel=panel["ylabel"])
             if panel["log_y"]:
                 ax.set_yscale("log")
@@ -379,8 +383,20 @@ def table_row(r: dict[str, Any]) -> list[Any]:
     ]
 
 
+TINY_TIMES = (
+    "**Tiny run: step times at these toy sizes (medians of 3) mean nothing, so "
+    "the time columns are left out (—) and the plot's time panels are not "
+    "results; compiled memory and FLOPs are exact for the sizes stated.**"
+)
+
+
 def markdown(results: dict, out: str) -> str:
-    """Per model: the sweep table, unrolled FLOPs, budgets and RSS."""
+    """Per model: the sweep table, unrolled FLOPs, budgets and RSS.
+
+    A ``--tiny`` sweep's step times are left out of the tables and said to be
+    no result.
+    """
+    tiny = results.get("size") == "tiny"
     parts = [
         "## Memory, FLOPs and time vs depth",
         "The same parameters trained every way (see `benchmarks/models.py`): "
@@ -395,11 +411,14 @@ def markdown(results: dict, out: str) -> str:
         "to best plain is that of the medians, with the smallest and largest "
         "ratio of one round's two runs.",
         f"![memory]({NAME}.png)",
-    ]
+    ] + ([TINY_TIMES] if tiny else [])
     for name, res in results["models"].items():
         missing = f" Missing: {res['missing']}" if res["missing"] else ""
         parts.append(f"### {name}\n\nSizes: `{res['sizes']}`.{missing}")
-        parts.append(measure.table(TABLE_HEAD, [table_row(r) for r in res["rows"]]))
+        rows = [table_row(r) for r in res["rows"]]
+        if tiny:  # step ms, min-max ms, time / best plain, per-round ratios
+            rows = [r[:5] + [None] * 4 + r[9:] for r in rows]
+        parts.append(measure.table(TABLE_HEAD, rows))
         flops = res.get("unrolled_flops") or {}
         if flops.get("standard"):
             rows = [[m, f, f / flops["standard"]] for m, f in flops.items()]

@@ -470,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def markdown(results: dict, out: str) -> str:
     """A short table of the figures, ratios invertible / hand."""
     t, c, config = results["timings"], results["compiled"], results["config"]
+    single = config["repeats"] < 2  # --tiny: one timing of each
     rows = []
     for key, label in (
         ("trace_s", "trace `jit(grad)` (make_jaxpr)"),
@@ -481,7 +482,8 @@ def markdown(results: dict, out: str) -> str:
         ("eager_grad_s", "warm eager `grad`"),
     ):
         a, b = t["invertible"][key]["median_s"], t["hand"][key]["median_s"]
-        rows.append([label, f"{a * 1e3:.2f} ms", f"{b * 1e3:.2f} ms", a / b])
+        ratio = None if single else a / b  # a ratio of two single timings: left out
+        rows.append([label, f"{a * 1e3:.2f} ms", f"{b * 1e3:.2f} ms", ratio])
     for key, label, scale, unit in (
         ("temp_bytes", "compiled temp memory", 1 / measure.MIB, "MiB"),
         ("flops", "FLOPs (scan body once)", 1e-6, "MFLOP"),
@@ -504,7 +506,12 @@ def markdown(results: dict, out: str) -> str:
             "## `@invertible` overhead vs a hand-written `jax.custom_vjp`",
             f"Coupling stack: width {config['width']}, batch {config['batch']}, "
             f"{config['unrolled']} unrolled + {config['depth']} scanned blocks; "
-            f"medians of {config['repeats']} interleaved rounds.",
+            f"medians of {config['repeats']} interleaved rounds."
+            + (
+                " **Tiny run: single timings, so their ratios are left out (—).**"
+                if single
+                else ""
+            ),
             measure.table(["measure", "invertible", "hand-written", "ratio"], rows),
             f"Depth {lo} -> {hi}, (trace + lowering + compile) and temp memory, "
             f"deep / shallow: {scaling}. Warm eager calls: "

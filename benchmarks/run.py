@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from benchmarks import BENCHMARKS, measure
 
@@ -33,6 +34,17 @@ def _names(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown {unknown}; see {list(BENCHMARKS)}")
     return names
+
+
+def progress(items: Sequence[Any], desc: str, unit: str = "part") -> Any:
+    """``items`` under a tqdm progress bar (on stderr), or bare without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the experiments extra
+        return items
+    if not items:
+        return items
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr)
 
 
 def _flags(parser) -> None:
@@ -54,13 +66,50 @@ def section(name: str, out: str) -> str:
         return f"## {name}\n\nCould not render `{name}.json`: {err!r}"
 
 
-def write_report(out: str, names: Sequence[str], runs: Sequence[list]) -> str:
-    """Writes ``<out>/REPORT.md`` for ``names``; returns its path."""
-    head = [
-        "# revnet: benchmark report",
+SIZE_NOTES = {
+    "tiny": "**Tiny run (`--tiny`): every benchmark at its smallest sizes, only "
+    "to show that it runs. Nothing here is a result: timings are one or a few "
+    "samples of toy-sized steps (single-timing ratios are left out), and the "
+    "trainings are smoke runs. `make demo` and `make demo-full` give the "
+    "figures.**",
+    "quick": "Sizes: `--quick` (`make demo-full`), each benchmark's smaller "
+    "configuration; each section states its sizes.",
+    "full": "Sizes: full; each section states its sizes.",
+}
+
+
+def run_size(out: str, names: Sequence[str]) -> str | None:
+    """``"tiny"``, ``"quick"`` or ``"full"`` as the stored JSON files say."""
+    sizes = set()
+    for name in names:
+        try:
+            with open(os.path.join(out, f"{name}.json")) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("size"), str):
+            sizes.add(data["size"])
+    if "tiny" in sizes:
+        return "tiny"
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def write_report(
+    out: str, names: Sequence[str], runs: Sequence[list], size: str | None = None
+) -> str:
+    """Writes ``<out>/REPORT.md`` for ``names``; returns its path.
+
+    ``size`` (``"tiny"``, ``"quick"``, ``"full"``; None: read from the JSON
+    files) is stated at the top; a tiny report says that it holds no result.
+    """
+    size = size or run_size(out, names)
+    head = ["# revnet: benchmark report"]
+    if size in SIZE_NOTES:
+        head.append(SIZE_NOTES[size])
+    head.append(
         "Figures are from one run; times on shared machines move by ±50%, "
-        "compiled memory and FLOPs are deterministic.",
-    ]
+        "compiled memory and FLOPs are deterministic."
+    )
     if runs:
         head.append(measure.table(["benchmark", "exit code", "seconds"], runs))
     text = "\n\n".join(head + [section(n, out) for n in names]) + "\n"
@@ -76,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = ["--tiny"] if args.tiny else ["--quick"] if args.quick else []
     runs = []
     out = os.path.abspath(args.out)
-    for name in [] if args.report_only else names:
+    todo = [] if args.report_only else names
+    for name in progress(todo, "benchmarks", "benchmark"):
         if not os.path.exists(os.path.join(HERE, f"{BENCHMARKS[name]}.py")):
             print(f"[run] skipping {name}: no benchmarks/{BENCHMARKS[name]}.py")
             continue
@@ -86,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = subprocess.call([*cmd, "--out", out], cwd=measure.ROOT)
         runs.append([name, code, round(time.perf_counter() - start, 1)])
         print(f"[run] {name}: exit {code} after {runs[-1][2]} s", flush=True)
-    path = write_report(args.out, names, runs)
+    label = "tiny" if args.tiny else "quick" if args.quick else "full"
+    path = write_report(args.out, names, runs, None if args.report_only else label)
     print(f"[run] wrote {path}")
     return 1 if any(code for _, code, _ in runs) else 0
 

@@ -61,12 +61,38 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return measure.write_json(args.out, NAME, {"size": size, "rows": rows})
 
 
+def sizes_note(results: dict) -> str:
+    """The sizes of each model in ``results`` (depth and method aside)."""
+    size = results.get("size", "full")
+    cells = []
+    for model in dict.fromkeys(row["model"] for row in results["rows"]):
+        shown = spec(model, "plain", 3, size)
+        shown = {k: v for k, v in shown.items() if k not in ("method", "depth")}
+        del shown["model"]
+        cells.append(f"{model} `{shown}`")
+    note = "Sizes: " + "; ".join(cells) + "; depth in coupling blocks (RevNet: "
+    note += "units spread over its three stages)."
+    if ROUNDS.get(size, 2) < 2:
+        note += (
+            " **Tiny run: one timing per method, so step times and their ratios "
+            "are left out (—); only the compiled temp memory is shown.**"
+        )
+    return note
+
+
 def markdown(results: dict, out: str) -> str:
-    """One table: step time and temp memory, and their ratios to best plain."""
+    """One table: step time and temp memory, and their ratios to best plain.
+
+    A run with one round (``--tiny``: one process of one step per method) has
+    single timings: its times and ratios are left out (—), and the text says so.
+    """
+    size = results.get("size", "full")
+    single = ROUNDS.get(size, 2) < 2
     table = []
     for row in results["rows"]:
         for method, s in row["methods"].items():
-            mark = " (best plain)" if method == row.get("best_plain") else ""
+            best = method == row.get("best_plain") and not single
+            mark = " (best plain)" if best else ""
             cells = [row["model"], row["depth"], method + mark]
             if "error" in s:
                 table.append(cells + [f"error: {s['error']}"] + [None] * 4)
@@ -74,6 +100,8 @@ def markdown(results: dict, out: str) -> str:
             lo, hi = (s.get(f"time_vs_best_plain_{k}") for k in ("min", "max"))
             spread = None if lo is None else f"{lo:.3g}–{hi:.3g}"
             cells += [1e3 * s["median_s"], s.get("time_vs_best_plain"), spread]
+            if single:
+                cells[-3:] = [None] * 3
             table.append(
                 cells + [s["temp_bytes"] / measure.MIB, s.get("temp_vs_best_plain")]
             )
@@ -81,11 +109,14 @@ def markdown(results: dict, out: str) -> str:
     head += ["per-round ratio min–max", "temp MiB", "temp / best plain"]
     return "\n\n".join(
         [
-            "## Step time against plain Haiku",
+            "## Step time against plain Haiku"
+            + (": tiny run, single timings left out" if single else ""),
             "One training gradient step per measurement, median over interleaved "
             "fresh processes; ratios to the best plain baseline (the faster of the "
             "unrolled plain-Haiku loop and `hk.layer_stack`): the ratio of the "
-            "medians, and the smallest and largest ratio within one round.",
+            "medians, and the smallest and largest ratio within one round. "
+            f"{ROUNDS.get(size, '?')} rounds of {STEPS.get(size, '?')} timed steps.",
+            sizes_note(results),
             measure.table(head, table),
         ]
     )

@@ -1,8 +1,6 @@
-"""``python -m experiments.demo``: runs :mod:`benchmarks.run` (every benchmark)."""
+"""``python -m experiments.demo``: the demo, :mod:`benchmarks.demo` (``make demo``)."""
 
-import sys
-
-from benchmarks.run import main
+from benchmarks.demo import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

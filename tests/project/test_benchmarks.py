@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import BENCHMARKS, measure, memory, models, overhead, run
+from benchmarks import BENCHMARKS, demo, measure, memory, models, overhead, run
 from tests.helpers import ROOT, assert_trees_close, tolerance
 
 ENTRIES = ("memory", "speed", "numerics", "loops", "loop_compare", "overhead")
@@ -199,6 +199,9 @@ def test_memory_plot_titles_and_legends_agree():
 
 def test_memory_table_columns_are_what_their_headings_say():
     results = _memory_results()
+    tiny = memory.markdown(results, "unused")  # a tiny sweep: no step times
+    assert memory.TINY_TIMES in tiny and "6.15e+03" not in tiny
+    results["size"] = "quick"
     text = memory.markdown(results, "unused")
     head = "| " + " | ".join(memory.TABLE_HEAD) + " |"
     assert head in text
@@ -427,3 +430,72 @@ def test_flows_tiny_run_keeps_its_claims(tmp_path):
     assert deep["temp_revnet"] < deep["temp_jet-style"] < deep["temp_flowjax"]
     assert set(deep) >= {f"time_ratio_{w}" for w in ("flowjax", "revnet")}
     assert results["flowjax"]
+
+
+@pytest.mark.slow
+def test_demo_tiny_report_states_its_sizes_and_embeds_its_plot(tmp_path):
+    """``make demo``'s program at its tiny size: the report says it is a tiny
+    run, states its sizes, embeds the plot it wrote, keeps the smoke training
+    and the timings out, and the memory it plots is flat for the reversible
+    stack and linear for standard backprop."""
+    proc = python("-m", "benchmarks.demo", "--tiny", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "demo.json") as f:
+        results = json.load(f)
+    text = (tmp_path / "REPORT.md").read_text()
+    head = text.split("\n## ")[0]
+    assert head.startswith("# revnet demo") and "**Tiny run (`--tiny`)" in head
+    sizes = demo.SIZES["tiny"]
+    assert f"width {sizes['width']}, batch {sizes['batch']}" in head
+    assert "depths " + ", ".join(map(str, sizes["depths"])) in head
+    assert f"![demo]({results['figure']})" in text
+    assert os.path.getsize(tmp_path / results["figure"]) > 10_000
+    assert "Smoke run, not a result" in text and "test acc." not in text
+    assert results["time"] is None and "Left out of this tiny run" in text
+    gap = max(r["grad_max_abs_diff"] for r in results["train"]["history"])
+    assert f"**{gap:.2e}**" in text and gap < 1e-5
+    by = {(r["method"], r["depth"]): r["temp_bytes"] for r in results["memory"]}
+    lo, hi = sizes["depths"][0], sizes["depths"][-1]
+    assert by["reversible", hi] <= 1.05 * by["reversible", lo]
+    assert by["standard", hi] > 4 * by["standard", lo]
+    assert by["reversible", hi] < by["checkpoint", hi] < by["standard", hi]
+
+
+def test_demo_report_from_stored_results_states_sizes_and_time_medians():
+    """The full-size demo report, from a synthetic result: sizes, the plot and
+    the step time as a median of several timings, named as such."""
+    sizes = demo.SIZES["demo"]
+    memory_rows = [
+        {
+            "depth": d,
+            "method": m,
+            "temp_bytes": float(b * d if m != "reversible" else b),
+        }
+        | {"flops": 3.0, "temp_vs_standard": 1.0, "flops_vs_standard": 1.0}
+        for d in sizes["depths"]
+        for m, b in (("standard", 4e6), ("checkpoint", 2e6), ("reversible", 2e6))
+    ]
+    timed = {
+        m: {"median_s": t, "min_s": t, "max_s": t, "vs_standard": t / 0.03}
+        | {"vs_standard_min": 1.0, "vs_standard_max": 1.5}
+        for m, t in (("standard", 0.03), ("checkpoint", 0.035), ("reversible", 0.04))
+    }
+    record = {"epoch": 1, "loss": {"reversible": 0.5, "standard": 0.5}}
+    record |= {"test_accuracy": {"reversible": 0.9, "standard": 0.9}}
+    record |= {"grad_max_abs_diff": 1e-7, "grad_max_abs": 0.1}
+    config = {"smoke": False, "batch": 64, "lr": 0.05, "seed": 0, "epochs": 1}
+    results = {
+        "size": "demo",
+        "sizes": sizes,
+        "seconds": {"train": 1.0, "total": 2.0},
+        "train": {"config": config, "history": [record], "temp_bytes": {}},
+        "memory": memory_rows,
+        "time": {"depth": 16, "repeats": sizes["repeats"], "methods": timed},
+        "figure": "demo.png",
+    }
+    results["train"]["temp_bytes"] = {"reversible": 1.0, "standard": 2.0}
+    text = demo.markdown(results, "unused")
+    assert "Tiny run" not in text and "![demo](demo.png)" in text
+    assert f"median of {sizes['repeats']} timings" in text
+    assert "| reversible (revnet) | 40 |" in text
+    assert "test acc. reversible" in text

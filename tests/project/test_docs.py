@@ -413,7 +413,7 @@ def _module_help(module: str, capsys) -> str:
 
 def test_make_commands_name_existing_targets():
     targets = _make_targets()
-    assert {"test", "test-all", "demo"} <= targets
+    assert {"test", "test-all", "demo", "demo-full"} <= targets
     named = {
         target
         for text in TEXTS.values()
@@ -426,11 +426,12 @@ def test_make_commands_name_existing_targets():
 def test_make_targets_run_what_the_readme_says():
     makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
     demo = re.search(r"^demo:.*\n\t(.*)", makefile, re.M).group(1)
-    assert "-m benchmarks.run --quick --out results" in demo
-    contributing = TEXTS[PAGES[1]]
-    assert "`make demo` (`python -m benchmarks.run --quick --out results`)" in (
-        contributing
-    )
+    assert "-m benchmarks.demo --out results" in demo
+    pages = "\n".join(TEXTS.values())
+    assert "`make demo` (`python -m benchmarks.demo --out results`)" in pages
+    full = re.search(r"^demo-full:.*\n\t(.*)", makefile, re.M).group(1)
+    assert "-m benchmarks.run --quick --out results/full" in full
+    assert "`make demo-full` (`python -m benchmarks.run --quick" in pages
     test = re.search(r"^test:.*\n\t(.*)", makefile, re.M).group(1)
     assert '-m "not slow"' in test
 
