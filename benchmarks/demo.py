@@ -344,7 +344,8 @@ def _time_section(results: dict[str, Any]) -> list[str]:
         "warm-up, on a shared machine (single timings move by ±50%).",
         measure.table(head, rows),
         f"Reversible takes {rev:.2f}× standard backprop's step time here (ratio "
-        "of the medians): it recomputes each block's forward in the backward pass.",
+        "of the medians). It runs each block's forward again in the backward "
+        "pass (the FLOP ratio above), and touches far less memory.",
     ]
     return parts
 
