@@ -110,8 +110,8 @@ fuzz: $(STAMP_TEST)
 
 lint: $(STAMP_TEST)
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check revnet benchmarks examples experiments tests docs
-	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests docs
+	$(VENV)/bin/ruff check revnet benchmarks examples experiments tests docs/hooks
+	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests docs/hooks
 
 clean:
 	rm -rf $(VENV) results site .pytest_cache build dist *.egg-info

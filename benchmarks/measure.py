@@ -38,17 +38,19 @@ MIB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_flags():
-    """``examples/_flags.py``, the flag types the examples use too (the
-    examples are scripts, not a package: loaded from its file)."""
-    path = os.path.join(ROOT, "examples", "_flags.py")
-    spec = importlib.util.spec_from_file_location("revnet_examples_flags", path)
+def _load_example_module(name: str):
+    """``examples/<name>.py``, a helper the examples use too (the examples are
+    scripts, not a package: loaded from its file)."""
+    path = os.path.join(ROOT, "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"revnet_examples{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-flags = _load_flags()
+flags = _load_example_module("_flags")  # the flag types
+# Writes a file whole or not at all (a synced temporary file and a rename).
+atomic_write = _load_example_module("_durable").write_atomically
 
 
 def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
@@ -226,23 +228,6 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a synced temporary file and a rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _jsonable(value: Any) -> Any:

@@ -29,9 +29,7 @@ from tests.doors.adapters import (
 from tests.helpers import cast_floats
 
 REQUIRES = "flax"
-pytest.importorskip(
-    REQUIRES, reason="the nnx door needs flax: pip install '.[nnx]'"
-)
+pytest.importorskip(REQUIRES, reason="the nnx door needs flax: pip install '.[nnx]'")
 
 from flax import nnx  # noqa: E402
 
