@@ -388,6 +388,20 @@ def test_every_block_is_run():
         assert len(found) == 1, f"CHECKS key {key!r} is in blocks {found}"
 
 
+def test_readme_quick_starts_are_short():
+    quick = [
+        (heading, code)
+        for page, _, heading, code in BLOCKS
+        if page == PAGES[0] and heading in ("The core", "Haiku", "Flax NNX", "Equinox")
+    ]
+    assert [heading for heading, _ in quick] == [
+        "The core", "Haiku", "Flax NNX", "Equinox"
+    ]  # fmt: skip
+    for heading, code in quick:
+        assert len(code.strip().splitlines()) < 25, heading
+    assert len(TEXTS[PAGES[0]].splitlines()) <= 300, "the README is for users"
+
+
 # --------------------------------------------------------------------------- #
 # Commands.
 
