@@ -55,3 +55,48 @@ def _optimized(request):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+# XLA:CPU maps memory for every program it compiles (about three mappings each)
+# and JAX keeps every compiled program alive in its caches. A pytest worker that
+# compiles tens of thousands of programs reaches the kernel's vm.max_map_count
+# (65,530 by default), and XLA then segfaults inside a compilation (seen twice
+# in CI, each time in a different test). After a test module, once the worker
+# holds more than a third of the limit, JAX's caches are cleared; the next
+# module compiles what it needs again.
+def mappings() -> int | None:
+    """This process's memory mappings, or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def _mapping_budget() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 3
+    except (OSError, ValueError):
+        return None
+
+
+def release_compiled_programs() -> None:
+    """Drops JAX's caches, so that XLA unmaps the programs they held."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
+_BUDGET = _mapping_budget()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _BUDGET is None or (nextitem is not None and nextitem.module is item.module):
+        return
+    held = mappings()
+    if held is not None and held > _BUDGET:
+        release_compiled_programs()
