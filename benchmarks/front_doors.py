@@ -244,7 +244,7 @@ def measure_door(door: str, depths: Sequence[int], batch: int, repeats: int) -> 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Measures every front door; writes ``<out>/front_doors.json``."""
     args = measure.parse(__doc__, argv)
-    size = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    size = SIZES[args.size]
     doors = [
         measure_door(door, size["depths"], size["batch"], size["repeats"])
         for door in DOORS

@@ -400,7 +400,7 @@ def plot(sweep: list[dict], comparison: list[dict], out: str) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs both parts; writes ``<out>/loops.json`` and ``loops.png``."""
     args = measure.parse(__doc__, argv)
-    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = args.size
     batch = 16 if args.tiny else 64 if args.quick else 256
     sweep = steps_sweep(STEPS[size], WIDTH, batch)
     base = {r["steps"]: r for r in sweep if r["method"] == "lax.scan"}

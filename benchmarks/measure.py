@@ -54,7 +54,8 @@ atomic_write = _load_example_module("_durable").write_atomically
 
 
 def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
-    """Parses ``--out DIR``, ``--quick``, ``--tiny`` (implies quick) and ``add``'s.
+    """Parses ``--out DIR``, ``--quick``, ``--tiny`` (implies quick) and ``add``'s;
+    ``args.size`` names the size: ``"tiny"``, ``"quick"`` or ``"full"``.
 
     A bad flag, or an output folder that cannot be written, ends the program
     at once with one line and exit status 2 (``examples/_flags.py``).
@@ -69,6 +70,7 @@ def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
         add(parser)
     args = parser.parse_args(argv)
     args.quick = args.quick or args.tiny
+    args.size = "tiny" if args.tiny else "quick" if args.quick else "full"
     return args
 
 

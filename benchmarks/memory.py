@@ -346,7 +346,7 @@ def plot(results: dict[str, Any], out: str) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the sweep; writes ``<out>/memory.json`` and ``memory.png``."""
     args = measure.parse(__doc__, argv)
-    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = args.size
     results = {"size": size, "models": {}}
     for model, depths in DEPTHS[size].items():
         results["models"][model] = sweep(model, depths, size)

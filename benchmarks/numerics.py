@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import jax
 
     args = measure.parse(__doc__, argv)
-    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = args.size
     couplings = COUPLINGS[:2] if args.tiny else COUPLINGS
     config = Config()
     jax.config.update("jax_enable_x64", True)

@@ -452,7 +452,7 @@ def measure_all(args: Sizes) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Measures with run-time checks off; writes ``<out>/overhead.json``."""
     args = measure.parse(__doc__, argv)
-    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = args.size
     sizes = SIZES[size]
     revnet.set_runtime_checks(False)  # the default configuration
     try:

@@ -136,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = subprocess.call([*cmd, "--out", out], cwd=measure.ROOT)
         runs.append([name, code, round(time.perf_counter() - start, 1)])
         print(f"[run] {name}: exit {code} after {runs[-1][2]} s", flush=True)
-    label = "tiny" if args.tiny else "quick" if args.quick else "full"
-    path = write_report(args.out, names, runs, None if args.report_only else label)
+    path = write_report(args.out, names, runs, None if args.report_only else args.size)
     print(f"[run] wrote {path}")
     return 1 if any(code for _, code, _ in runs) else 0
 

@@ -46,7 +46,7 @@ def spec(model: str, method: str, depth: int, size: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Times every (model, depth); writes ``<out>/speed.json``."""
     args = measure.parse(__doc__, argv)
-    size = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = args.size
     rows = []
     for model in MODELS:
         for depth in DEPTHS[size]:

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     work = os.path.join(args.out, NAME)
     digits = ["--smoke"] if args.tiny else ["--epochs", "4" if args.quick else "10"]
     loop = ["--smoke"] if args.tiny else ["--steps", "50" if args.quick else "200"]
-    results = {"size": "tiny" if args.tiny else "quick" if args.quick else "full"}
+    results = {"size": args.size}
     for script, flags in (("digits", digits), ("while_loop", loop)):
         folder = os.path.join(work, script)  # fresh: digits would resume
         shutil.rmtree(folder, ignore_errors=True)
