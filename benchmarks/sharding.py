@@ -177,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return {}
     flags = f"{os.environ.get('XLA_FLAGS', '')} "
     flags += f"--xla_force_host_platform_device_count={DEVICES}"
-    env = dict(os.environ, XLA_FLAGS=flags)
+    # XLA:CPU's pool of max(cores, devices) threads can deadlock a collective
+    # when the next program's launches hold threads; twice the devices cannot.
+    env = dict(os.environ, XLA_FLAGS=flags, PJRT_NPROC=str(2 * DEVICES))
     command = [sys.executable, "-m", "benchmarks.sharding", "--worker", "--depths"]
     command += [str(d) for d in depths]
     command += ["--collectives-depth", str(args.collectives_depth)]

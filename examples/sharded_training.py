@@ -47,6 +47,9 @@ if ARGS.devices > 1:
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={ARGS.devices}"
     )
+    # XLA:CPU's pool of max(cores, devices) threads can deadlock a collective
+    # on a small machine; twice the devices cannot (docs/guides/scaling.md).
+    os.environ.setdefault("PJRT_NPROC", str(2 * ARGS.devices))
 import haiku as hk  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

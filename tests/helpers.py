@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -205,19 +206,43 @@ COLLECTIVE_PATIENCE = (
     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
 )
 
+# XLA:CPU runs each device's part of a program on a pool of max(cores,
+# devices) threads, and a dispatch that waits for a free in-flight slot of its
+# device (32 per device) blocks a pool thread. With 8 devices on 2 cores, the
+# launches of the next program can hold threads that the running program's
+# collective needs, and both wait forever (reproduced with plain JAX:
+# tests/sharding/test_thread_pool.py). PJRT_NPROC sets the pool's size; twice
+# the devices leaves one thread per participant after every blocked launch.
+THREADS_PER_DEVICE = 2
 
-def run_python(*argv: str, devices: int | None = 8, timeout: float = 900) -> str:
-    """Runs ``python *argv`` in a fresh interpreter at the repository root, with
-    ``devices`` forced CPU devices (None: JAX's default); asserts that it exits
-    0 and returns its stdout. ``run_python("-c", code)`` runs a snippet."""
-    env = dict(os.environ, XLA_FLAGS=COLLECTIVE_PATIENCE)
+
+def subprocess_env(devices: int | None = 8, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs JAX on ``devices`` forced CPU
+    devices (None: JAX's default, or what the program asks for with
+    ``jax_num_cpu_devices``, at most 8): patient collectives, a thread pool
+    that cannot deadlock, the repository on the path, and ``extra``."""
+    env = dict(os.environ, XLA_FLAGS=COLLECTIVE_PATIENCE, **extra)
     if devices is not None:
         env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PJRT_NPROC"] = str(THREADS_PER_DEVICE * (devices or 8))
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
+
+
+def run_python(
+    *argv: str,
+    devices: int | None = 8,
+    timeout: float = 900,
+    launcher: Sequence[str] = (),
+) -> str:
+    """Runs ``python *argv`` in a fresh interpreter at the repository root, with
+    ``devices`` forced CPU devices (None: JAX's default), under ``launcher``
+    (such as ``("taskset", "-c", "0")``); asserts that it exits 0 and returns
+    its stdout. ``run_python("-c", code)`` runs a snippet."""
     proc = subprocess.run(
-        [sys.executable, *argv],
+        [*launcher, sys.executable, *argv],
         cwd=ROOT,
-        env=env,
+        env=subprocess_env(devices),
         capture_output=True,
         text=True,
         timeout=timeout,

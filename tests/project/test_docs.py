@@ -25,7 +25,6 @@ from __future__ import annotations
 import configparser
 import doctest
 import functools
-import os
 import pathlib
 import re
 import shlex
@@ -42,10 +41,10 @@ import pytest
 import revnet
 import revnet.blocks
 from tests.helpers import (
-    COLLECTIVE_PATIENCE,
     ROOT,
     assert_trees_close,
     run_python,
+    subprocess_env,
     tolerance,
 )
 
@@ -304,12 +303,7 @@ def _run_processes(code: str, tmp_path, n: int = 2, timeout: float = 600) -> lis
     """Runs ``code`` as a file in ``n`` processes, as the block's comment says."""
     script = tmp_path / "train.py"
     script.write_text(code)
-    env = dict(
-        os.environ,
-        PORT=str(_free_port()),
-        XLA_FLAGS=COLLECTIVE_PATIENCE,
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = subprocess_env(None, PORT=str(_free_port()))
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],

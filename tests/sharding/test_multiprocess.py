@@ -23,7 +23,6 @@ hang fails the test instead of blocking the suite.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import COLLECTIVE_PATIENCE, ROOT, assert_trees_close
+from tests.helpers import ROOT, assert_trees_close, subprocess_env
 
 pytestmark = pytest.mark.slow  # multi-process runs
 
@@ -227,9 +226,7 @@ def _launch(tmp_path, runs, limit: float) -> list[str]:
     all otherwise, and returns each one's output."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    env = dict(os.environ, PYTHONPATH=_ROOT, REVNET_RUNTIME_CHECKS="1")
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = COLLECTIVE_PATIENCE
+    env = subprocess_env(None, REVNET_RUNTIME_CHECKS="1", JAX_PLATFORMS="cpu")
     procs, logs = [], []
     try:
         for n, (pid, nproc, mode, mesh_kind, port) in enumerate(runs):
