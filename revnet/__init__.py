@@ -34,6 +34,10 @@ Results that jump (comparisons, ``round``, ``rem``, indices) are stored, at
 any depth; kinks (``relu``, ``max``, ``leaky_relu``) are recomputed unless
 ``kinks="store"``; :func:`decision` and :func:`kink` mark a select either way.
 
+Exact mode: :mod:`revnet.exact` keeps an additive stream on a fixed-point
+grid, so that it is rebuilt bit for bit at any depth (``exact=True`` on every
+door's ``AdditiveCoupling``).
+
 Accuracy: :func:`set_runtime_checks` turns a non-finite reconstruction into an
 error; a :class:`DriftMonitor` reads the reconstruction error at the anchors
 (:class:`DriftWarning`, :class:`DriftError`).
@@ -70,7 +74,7 @@ True
 True
 """
 
-from revnet import rules  # noqa: F401  (registers the built-in inverse rules)
+from revnet import exact, rules  # noqa: F401  (rules: the built-in inverse rules)
 from revnet._engine import NotInvertibleError, register_inverse
 from revnet._engine.runtime_checks import set_runtime_checks
 from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
@@ -92,6 +96,7 @@ __all__ = [
     "StoredGrowthWarning",
     "custom_ivjp",
     "decision",
+    "exact",
     "forward_and_log_det",
     "inverse",
     "invertible",

@@ -18,7 +18,14 @@ import os
 import re
 import sys
 
-MODULES = ("revnet", "revnet.flows", "revnet.blocks", "revnet.nnx", "revnet.eqx")
+MODULES = (
+    "revnet",
+    "revnet.flows",
+    "revnet.exact",
+    "revnet.blocks",
+    "revnet.nnx",
+    "revnet.eqx",
+)
 log = logging.getLogger("mkdocs.hooks.api_coverage")
 _named: set[str] = set()
 _root: list[str] = []

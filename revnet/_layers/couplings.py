@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import revnet
-from revnet._checks import check_choice, check_real
+from revnet._checks import check_bool, check_choice, check_int, check_real
 from revnet._layers.checks import check_output, check_splittable
 
 Residual = Callable[[jax.Array], tuple[jax.Array, Any]]
@@ -74,6 +74,50 @@ def check_scale(where: str, scale: Any, scale_bound: Any) -> tuple[str, float | 
     return scale, scale_bound
 
 
+def check_exact(where: str, exact: Any, exact_bits: Any) -> tuple[bool, int | None]:
+    """Checks an additive coupling's ``exact`` and ``exact_bits``.
+
+    Returns:
+      ``(exact, exact_bits)``; ``exact_bits`` None is the default grid of
+      :func:`revnet.exact.bits_for`, resolved from the stream's dtype.
+
+    Raises:
+      TypeError: If ``exact`` is not a bool or ``exact_bits`` not an integer.
+      ValueError: If ``exact_bits`` is negative, or given without ``exact``.
+    """
+    exact = check_bool(where, "exact", exact)
+    if exact_bits is None:
+        return exact, None
+    exact_bits = check_int(where, "exact_bits", exact_bits, minimum=0)
+    if not exact:
+        raise ValueError(
+            f"{where}: exact_bits={exact_bits} applies only with exact=True (it "
+            "sets the grid of the exact mode)"
+        )
+    return exact, exact_bits
+
+
+def refuse_exact(where: str, exact: Any) -> None:
+    """An affine coupling's ``exact``: False, or refused.
+
+    A product of two values on a grid needs more bits than the grid holds, so
+    ``x2 * a`` rounded back onto it loses bits that only a buffer growing with
+    depth could keep (MacKay et al.'s reversible RNNs); revnet does not offer
+    that, and refuses rather than rebuild inexactly.
+
+    Raises:
+      TypeError: If ``exact`` is not a bool.
+      ValueError: If ``exact`` is True.
+    """
+    if check_bool(where, "exact", exact):
+        raise ValueError(
+            f"{where}: exact=True is refused: an affine coupling multiplies the "
+            "stream, and a product of values on the grid needs more bits than "
+            "the grid holds, so its inverse cannot be exact without storing the "
+            "lost bits at every layer; use AdditiveCoupling(f, g, exact=True)"
+        )
+
+
 def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Splits the last axis of ``x`` into two equal halves.
 
@@ -118,8 +162,14 @@ def additive(
     *,
     batch_dims: int = 1,
     name: str = "additive coupling",
+    exact: bool = False,
+    exact_bits: int | None = None,
 ) -> tuple[jax.Array, tuple[Any, Any]]:
     """The additive coupling ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``.
+
+    With ``exact``, the input is rounded onto the grid ``2**-exact_bits`` and
+    each increment too (:mod:`revnet.exact`), so that the inverse rebuilds
+    the input bit for bit.
 
     Args:
       f: Residual function of ``x2``, returning ``(out, aux)`` with ``out``
@@ -130,6 +180,8 @@ def additive(
       batch_dims: The number of leading batch axes of ``x``: 1, or 0 for one
         example (a front door that vmaps its blocks over the batch).
       name: The module, for error messages.
+      exact: Whether to run on the grid (see above).
+      exact_bits: The grid's bits; None: the default for the stream's dtype.
 
     Returns:
       ``(y, (aux_f, aux_g))``.
@@ -137,6 +189,7 @@ def additive(
     Raises:
       ValueError: If the last axis of ``x`` is odd, or ``f`` or ``g`` returns
         the wrong shape.
+      TypeError: If ``exact`` and the stream is not float32 or float64.
 
     Example:
 
@@ -146,13 +199,25 @@ def additive(
     (2, 4)
     """
     check_stream(name, x, batch_dims)
+    if exact:
+        bits = revnet.exact.bits_for(x.dtype, exact_bits, where=name)
+        x = revnet.exact.grid(x, bits=bits)
+
+        def add(a, d):
+            return revnet.exact.add(a, d, bits=bits, name=name)
+
+    else:
+
+        def add(a, d):
+            return a + d
+
     x1, x2 = split_halves(x)
     fx, aux_f = f(x2)
     check_output(name, "f", fx, x1.shape)
-    y1 = x1 + fx
+    y1 = add(x1, fx)
     gy, aux_g = g(y1)
     check_output(name, "g", gy, x2.shape)
-    return join_halves(y1, x2 + gy), (aux_f, aux_g)
+    return join_halves(y1, add(x2, gy)), (aux_f, aux_g)
 
 
 def affine(

@@ -70,6 +70,9 @@ class AdditiveCoupling(hk.Module):
         g: Callable[[jax.Array], jax.Array],
         compute_dtype: Any = None,
         name: str | None = None,
+        *,
+        exact: bool = False,
+        exact_bits: int | None = None,
     ):
         """Constructs the coupling.
 
@@ -85,10 +88,19 @@ class AdditiveCoupling(hk.Module):
             Left out inside a ``ReversibleSequence`` with a ``compute_dtype``,
             the sequence's is used.
           name: Name of the module.
+          exact: If True, the stream runs on a fixed-point grid and the
+            inverse rebuilds it bit for bit at any depth (:mod:`revnet.exact`):
+            the input is rounded onto the grid, and so is each increment, with
+            a straight-through gradient. Needs a float32 or float64 stream.
+          exact_bits: With ``exact``, the grid ``2**-exact_bits``; None: the
+            default (10 in float32, 39 in float64), which keeps ``|x| < 16384``
+            exact.
 
         Raises:
-          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype`` is
-            not None or a floating point dtype.
+          TypeError: If ``f`` or ``g`` is not callable, ``compute_dtype`` is
+            not None or a floating point dtype, ``exact`` is not a bool or
+            ``exact_bits`` not an integer.
+          ValueError: If ``exact_bits`` is negative or given without ``exact``.
         """
         check_name(type(self), name)
         super().__init__(name=name)
@@ -96,6 +108,7 @@ class AdditiveCoupling(hk.Module):
         check_callable(module, "f", f)
         check_callable(module, "g", g)
         compute_dtype = coupling_compute_dtype(module, compute_dtype)
+        self.exact, self.exact_bits = couplings.check_exact(module, exact, exact_bits)
         self._f = Lifted(f, self, "f", compute_dtype)
         self._g = Lifted(g, self, "g", compute_dtype)
 
@@ -111,6 +124,7 @@ class AdditiveCoupling(hk.Module):
         pg, sg = self._g.params_and_state(x1)
         kf, kg = rng_keys(2)
         f, g = self._f.apply, self._g.apply
+        exact, bits = self.exact, self.exact_bits
 
         def additive_coupling(h):
             return couplings.additive(
@@ -118,6 +132,8 @@ class AdditiveCoupling(hk.Module):
                 lambda u: g(pg, sg, kg, u),
                 h,
                 name=module,
+                exact=exact,
+                exact_bits=bits,
             )
 
         return additive_coupling
@@ -199,6 +215,8 @@ class AffineCoupling(hk.Module):
         zero_init: bool = True,
         compute_dtype: Any = None,
         name: str | None = None,
+        *,
+        exact: bool = False,
     ):
         """Constructs the coupling.
 
@@ -216,18 +234,24 @@ class AffineCoupling(hk.Module):
           compute_dtype: Optional dtype in which ``net`` computes; parameters and
             the residual stream keep their dtype.
           name: Name of the module.
+          exact: Refused when True: an affine coupling multiplies the stream,
+            and its inverse cannot be exact (see :mod:`revnet.exact`); use
+            ``AdditiveCoupling(f, g, exact=True)``.
 
         Raises:
           TypeError: If ``net`` is not callable, ``scale`` is not a string,
-            ``scale_bound`` is not a number or None, ``zero_init`` is not a
-            bool, or ``compute_dtype`` is not None or a floating point dtype.
+            ``scale_bound`` is not a number or None, ``zero_init`` or
+            ``exact`` is not a bool, or ``compute_dtype`` is not None or a
+            floating point dtype.
           ValueError: If ``scale`` is not one of the three, ``scale_bound`` is
-            not positive and finite, or is given with another scale.
+            not positive and finite, or is given with another scale, or
+            ``exact`` is True.
         """
         check_name(type(self), name)
         super().__init__(name=name)
         module = self.module_name
         check_callable(module, "net", net)
+        couplings.refuse_exact(module, exact)
         scale, scale_bound = couplings.check_scale(module, scale, scale_bound)
         zero_init = check_bool(module, "zero_init", zero_init)
         compute_dtype = coupling_compute_dtype(module, compute_dtype)

@@ -55,8 +55,18 @@ class AdditiveCoupling(eqx.Module):
     f: Any
     g: Any
     compute_dtype: Any = eqx.field(static=True)
+    exact: bool = eqx.field(static=True)
+    exact_bits: int | None = eqx.field(static=True)
 
-    def __init__(self, f: Any, g: Any, *, compute_dtype: Any = None):
+    def __init__(
+        self,
+        f: Any,
+        g: Any,
+        *,
+        compute_dtype: Any = None,
+        exact: bool = False,
+        exact_bits: int | None = None,
+    ):
         """Constructs the coupling.
 
         Args:
@@ -70,14 +80,25 @@ class AdditiveCoupling(eqx.Module):
             while the arrays, the state and the stream keep their dtype. Left
             out inside a :class:`~revnet.eqx.ReversibleSequence` with a
             ``compute_dtype``, the sequence's is used.
+          exact: If True, the stream runs on a fixed-point grid and the
+            inverse rebuilds it bit for bit at any depth (:mod:`revnet.exact`):
+            the input is rounded onto the grid, and so is each increment, with
+            a straight-through gradient. Needs a float32 or float64 stream.
+          exact_bits: With ``exact``, the grid ``2**-exact_bits``; None: the
+            default (10 in float32, 39 in float64), which keeps ``|x| < 16384``
+            exact.
 
         Raises:
-          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype``
-            is not None or a floating point dtype.
+          TypeError: If ``f`` or ``g`` is not callable, ``compute_dtype`` is
+            not None or a floating point dtype, ``exact`` is not a bool or
+            ``exact_bits`` not an integer.
+          ValueError: If ``exact_bits`` is negative or given without ``exact``.
         """
-        self.f = check_callable("AdditiveCoupling", "f", f)
-        self.g = check_callable("AdditiveCoupling", "g", g)
-        self.compute_dtype = coupling_compute_dtype("AdditiveCoupling", compute_dtype)
+        where = "AdditiveCoupling"
+        self.f = check_callable(where, "f", f)
+        self.g = check_callable(where, "g", g)
+        self.compute_dtype = coupling_compute_dtype(where, compute_dtype)
+        self.exact, self.exact_bits = couplings.check_exact(where, exact, exact_bits)
 
     def _forward(self, state, key):
         kf, kg = _split(key, 2)
@@ -90,6 +111,8 @@ class AdditiveCoupling(eqx.Module):
                 h,
                 batch_dims=0,
                 name=name,
+                exact=self.exact,
+                exact_bits=self.exact_bits,
             )
 
         return forward
@@ -160,6 +183,7 @@ class AffineCoupling(eqx.Module):
         scale: str = "sigmoid",
         scale_bound: float | None = None,
         compute_dtype: Any = None,
+        exact: bool = False,
     ):
         """Constructs the coupling.
 
@@ -172,16 +196,20 @@ class AffineCoupling(eqx.Module):
           compute_dtype: None, or a floating point dtype in which ``net``
             computes (see :class:`AdditiveCoupling`); the scale, the shift and
             the log-determinant are applied in the stream's dtype.
+          exact: Refused when True: an affine coupling multiplies the stream,
+            and its inverse cannot be exact (see :mod:`revnet.exact`); use
+            ``AdditiveCoupling(f, g, exact=True)``.
 
         Raises:
           TypeError: If ``net`` is not callable, ``scale`` not a string,
-            ``scale_bound`` not a number or ``compute_dtype`` not None or a
-            floating point dtype.
+            ``scale_bound`` not a number, ``compute_dtype`` not None or a
+            floating point dtype, or ``exact`` not a bool.
           ValueError: If ``scale`` is not one of the three, or ``scale_bound``
-            is not positive or given with another scale.
+            is not positive or given with another scale, or ``exact`` is True.
         """
         name = "AffineCoupling"
         self.net = check_callable(name, "net", net)
+        couplings.refuse_exact(name, exact)
         self.scale, scale_bound = couplings.check_scale(name, scale, scale_bound)
         self.scale_bound = scale_bound
         self.compute_dtype = coupling_compute_dtype(name, compute_dtype)

@@ -52,7 +52,15 @@ class AdditiveCoupling(nnx.Module):
     True
     """
 
-    def __init__(self, f: Residual, g: Residual, *, compute_dtype: Any = None):
+    def __init__(
+        self,
+        f: Residual,
+        g: Residual,
+        *,
+        compute_dtype: Any = None,
+        exact: bool = False,
+        exact_bits: int | None = None,
+    ):
         """Constructs the coupling.
 
         Args:
@@ -67,15 +75,25 @@ class AdditiveCoupling(nnx.Module):
             parameters, the statistics and the stream keep their dtype. Left
             out inside a :class:`~revnet.nnx.ReversibleSequence` with a
             ``compute_dtype``, the sequence's is used.
+          exact: If True, the stream runs on a fixed-point grid and the
+            inverse rebuilds it bit for bit at any depth (:mod:`revnet.exact`):
+            the input is rounded onto the grid, and so is each increment, with
+            a straight-through gradient. Needs a float32 or float64 stream.
+          exact_bits: With ``exact``, the grid ``2**-exact_bits``; None: the
+            default (10 in float32, 39 in float64), which keeps ``|x| < 16384``
+            exact.
 
         Raises:
-          TypeError: If ``f`` or ``g`` is not callable, or ``compute_dtype``
-            is not None or a floating point dtype.
+          TypeError: If ``f`` or ``g`` is not callable, ``compute_dtype`` is
+            not None or a floating point dtype, ``exact`` is not a bool or
+            ``exact_bits`` not an integer.
+          ValueError: If ``exact_bits`` is negative or given without ``exact``.
         """
         where = type(self).__name__
         self.f = check_callable(where, "f", f)
         self.g = check_callable(where, "g", g)
         self.compute_dtype = coupling_compute_dtype(where, compute_dtype)
+        self.exact, self.exact_bits = couplings.check_exact(where, exact, exact_bits)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the coupling to ``x`` of shape ``[batch, ..., channels]``."""
@@ -86,6 +104,8 @@ class AdditiveCoupling(nnx.Module):
             lambda h: (g(h), None),
             x,
             name=type(self).__name__,
+            exact=self.exact,
+            exact_bits=self.exact_bits,
         )
         return y
 
@@ -133,6 +153,7 @@ class AffineCoupling(nnx.Module):
         scale: str = "sigmoid",
         scale_bound: float | None = None,
         compute_dtype: Any = None,
+        exact: bool = False,
     ):
         """Constructs the coupling.
 
@@ -145,16 +166,21 @@ class AffineCoupling(nnx.Module):
           compute_dtype: None, or a floating point dtype in which ``net``
             computes (see :class:`AdditiveCoupling`); the scale, the shift
             and the log-determinant are applied in the stream's dtype.
+          exact: Refused when True: an affine coupling multiplies the stream,
+            and its inverse cannot be exact (see :mod:`revnet.exact`); use
+            ``AdditiveCoupling(f, g, exact=True)``.
 
         Raises:
           TypeError: If ``net`` is not callable, ``scale`` not a string,
-            ``scale_bound`` not a number or None, or ``compute_dtype`` not
-            None or a floating point dtype.
+            ``scale_bound`` not a number or None, ``compute_dtype`` not
+            None or a floating point dtype, or ``exact`` not a bool.
           ValueError: If ``scale`` is not one of the three, or ``scale_bound``
-            is not positive and finite, or is given with another scale.
+            is not positive and finite, or is given with another scale, or
+            ``exact`` is True.
         """
         where = type(self).__name__
         self.net = check_callable(where, "net", net)
+        couplings.refuse_exact(where, exact)
         self.scale, scale_bound = couplings.check_scale(where, scale, scale_bound)
         self.scale_bound = scale_bound
         self.compute_dtype = coupling_compute_dtype(where, compute_dtype)

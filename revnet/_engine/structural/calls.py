@@ -233,7 +233,9 @@ class _CustomHandler(Handler):
             ins = jax.tree_util.tree_leaves(inputs)
             cts = [None] * step.n_hoisted + flat
         runtime_checks.record(
-            ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
+            ins,
+            [*outs, *[k for k in known if k is not None]],
+            fn.failure or degenerate(eqn),
         )
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
         return cts
