@@ -145,7 +145,7 @@ def _grid_fn(bits: int) -> custom_ivjp:
     # On the grid the rounding is the identity: so are its inverse and its
     # derivative (straight through), and it keeps volume.
     fn.defivjp(lambda y, ct: (y, ct))
-    fn.deflogdet(lambda x: jnp.zeros((), x.dtype))
+    fn.deflogdet(jnp.zeros_like)  # one zero term per element
     fn.rebuilt_exactly = True
     return fn
 
@@ -175,7 +175,7 @@ def _add_fn(bits: int, name: str, dtype: str) -> custom_ivjp:
         ),
     )
     fn.defivjp(ivjp)
-    fn.deflogdet(lambda d, x: jnp.zeros((), x.dtype))
+    fn.deflogdet(lambda d, x: jnp.zeros_like(x))
     fn.rebuilt_exactly = True
     return fn
 
@@ -240,7 +240,11 @@ def add(
     x = jnp.asarray(x)
     bits = bits_for(x.dtype, bits, where=name)
     d = jnp.asarray(d)
-    if jnp.broadcast_shapes(d.shape, x.shape) != x.shape:
+    try:
+        fits = jnp.broadcast_shapes(d.shape, x.shape) == x.shape
+    except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(
             f"{name}: the increment's shape {d.shape} does not broadcast to the "
             f"stream's {x.shape}"

@@ -49,6 +49,7 @@ _HARMLESS = frozenset(
         "unconstrained_dims",
         "dst_sharding",
         "axis_name",
+        "rounding_method",
     }
 )
 
