@@ -96,7 +96,6 @@ __all__ = [
     "StoredGrowthWarning",
     "custom_ivjp",
     "decision",
-    "exact",
     "forward_and_log_det",
     "inverse",
     "invertible",

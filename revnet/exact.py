@@ -62,14 +62,12 @@ import jax
 import jax.numpy as jnp
 
 from revnet._checks import check_int
-from revnet.ivjp import custom_ivjp
+from revnet._engine import exact as marks
 
 __all__ = ["RANGE_BITS", "add", "bits_for", "grid", "limit"]
 
 RANGE_BITS = 14
 """The default grid leaves ``|x| < 2**RANGE_BITS`` (16384) exact in any dtype."""
-
-_MANTISSA = {jnp.dtype(jnp.float32): 24, jnp.dtype(jnp.float64): 53}
 
 
 def _mantissa(where: str, dtype: Any) -> int:
@@ -79,8 +77,8 @@ def _mantissa(where: str, dtype: Any) -> int:
       TypeError: If ``dtype`` is not float32 or float64.
     """
     dtype = jnp.dtype(dtype)
-    if dtype in _MANTISSA:
-        return _MANTISSA[dtype]
+    if dtype in marks.MANTISSA:
+        return marks.MANTISSA[dtype]
     if jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"{where}: exact mode needs a float32 or float64 stream, got {dtype}: "
@@ -126,8 +124,13 @@ def bits_for(
 
 def limit(dtype: Any, bits: int) -> float:
     """The exact range: sums on the grid ``2**-bits`` are exact while ``|x| <
-    limit``, ``2**(mantissa - bits)``."""
-    return 2.0 ** (_mantissa("revnet.exact", dtype) - bits)
+    limit``, ``2**(mantissa - bits)``.
+
+    Raises:
+      TypeError: If ``dtype`` is not float32 or float64.
+    """
+    _mantissa("revnet.exact.limit", dtype)
+    return marks.limit(dtype, bits)
 
 
 def _round(x: jax.Array, bits: int) -> jax.Array:
@@ -136,48 +139,34 @@ def _round(x: jax.Array, bits: int) -> jax.Array:
     return jnp.round(x * 2.0**bits) * 2.0**-bits
 
 
+def _straight_through(fun: Any) -> Any:
+    """``fun`` as a ``custom_jvp`` whose derivative is the sum of its tangents
+    (the identity for one input): the straight-through estimator."""
+    marked = jax.custom_jvp(fun)
+
+    def jvp(primals, tangents):
+        return marked(*primals), sum(tangents[1:], tangents[0])
+
+    marked.defjvp(jvp)
+    return marked
+
+
 @functools.cache
-def _grid_fn(bits: int) -> custom_ivjp:
-    def exact_grid(x):
+def _grid_fn(bits: int) -> Any:
+    def grid(x):
         return _round(x, bits)
 
-    fn = custom_ivjp(exact_grid)
-    # On the grid the rounding is the identity: so are its inverse and its
-    # derivative (straight through), and it keeps volume.
-    fn.defivjp(lambda y, ct: (y, ct))
-    fn.deflogdet(jnp.zeros_like)  # one zero term per element
-    fn.rebuilt_exactly = True
-    return fn
+    grid.__name__ = marks.GRID  # the engine solves it as the identity
+    return _straight_through(grid)
 
 
 @functools.lru_cache(maxsize=256)  # one per layer name
-def _add_fn(bits: int, name: str, dtype: str) -> custom_ivjp:
-    def exact_add(d, x):
-        return x + d
+def _add_fn(bits: int, label: str) -> Any:
+    def add(x, d):
+        return x + _round(d, bits)
 
-    def ivjp(consts, y, ct):
-        (d,) = consts
-        # Beyond the range the forward sum was rounded: NaN, never an inexact
-        # value (the run-time check names this update).
-        x = jnp.where(jnp.abs(y) < limit(y.dtype, bits), y - d, jnp.nan)
-        return x, (ct, ct)
-
-    fn = custom_ivjp(
-        exact_add,
-        num_consts=1,
-        failure=(
-            f"{name} left its exact range: |y| reached {limit(dtype, bits):g} "
-            f"(2**(mantissa - exact_bits), exact_bits={bits} in {dtype}), where a "
-            f"sum on the grid 2**-{bits} is rounded and cannot be undone; use "
-            "fewer exact_bits (a coarser "
-            "grid, a wider range) or keep the stream smaller (normalise the "
-            "residual functions' outputs)"
-        ),
-    )
-    fn.defivjp(ivjp)
-    fn.deflogdet(lambda d, x: jnp.zeros_like(x))
-    fn.rebuilt_exactly = True
-    return fn
+    add.__name__ = marks.add_name(bits, label)  # the engine guards its inverse
+    return _straight_through(add)
 
 
 def grid(x: jax.Array, *, bits: int | None = None) -> jax.Array:
@@ -250,4 +239,4 @@ def add(
             f"stream's {x.shape}"
         )
     d = jnp.broadcast_to(d.astype(x.dtype), x.shape)
-    return _add_fn(bits, name, x.dtype.name)(_grid_fn(bits)(d), x)
+    return _add_fn(bits, name)(x, d)

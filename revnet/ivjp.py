@@ -83,32 +83,17 @@ class custom_ivjp:  # noqa: N801 - mirrors jax.custom_vjp
     Args:
       fun: the function; positional arguments and outputs are pytrees of arrays.
       num_consts: how many leading arguments are known constants.
-      failure: what the run-time checks (:func:`revnet.set_runtime_checks`)
-        say when the inverse gives a non-finite value from finite outputs;
-        None: a message naming the call and its source line.
     """
 
-    def __init__(
-        self,
-        fun: Callable[..., Any],
-        num_consts: int = 0,
-        *,
-        failure: str | None = None,
-    ):
+    def __init__(self, fun: Callable[..., Any], num_consts: int = 0):
         if not callable(fun):
             raise TypeError(f"custom_ivjp expects a callable, got {fun!r}")
         if not isinstance(num_consts, int) or num_consts < 0:
             raise ValueError(
                 f"num_consts must be a non-negative int, got {num_consts!r}"
             )
-        if failure is not None and not isinstance(failure, str):
-            raise TypeError(f"failure must be a string or None, got {failure!r}")
         self.fun = fun
         self.num_consts = num_consts
-        self.failure = failure
-        # Set by revnet.exact: the function's inputs are rebuilt bit for bit,
-        # so the decisions in its body are recomputed, never stored.
-        self.rebuilt_exactly = False
         self.inverse_fn: Callable[..., Any] | None = None
         self.ivjp_fn: Callable[..., Any] | None = None
         self.log_det_fn: Callable[..., Any] | None = None
@@ -234,8 +219,6 @@ class _Signature:
         self.fn = fn
         self.__name__ = fn.__name__
         self.num_consts = fn.num_consts
-        self.failure = fn.failure
-        self.rebuilt_exactly = fn.rebuilt_exactly
         self.n_args = n_args
         self.key = key
         self.in_tree = in_tree

@@ -15,8 +15,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from revnet._engine import continuity as cont
+from revnet._engine import exact, replays
 from revnet._engine import jaxpr as jx
-from revnet._engine import replays
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.nested_calls import NestedCalls
 
@@ -381,7 +381,7 @@ class Pass(NestedCalls):
         is replayed by evaluating the whole call at its stored inputs."""
         body = jx.call_body(e)
         keep = [e], [], [], list(e.outvars), [True] * len(e.outvars)
-        if getattr(jx.tag_of(e), "rebuilt_exactly", False):
+        if exact.is_exact(e):
             return keep  # revnet.exact: its inputs are rebuilt bit for bit
         if body is None:
             return self._at_point(e, tin, "inputs")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import revnet
 from revnet._checks import check_bool, check_float_dtype, check_int, check_mapping, fail
 from revnet._layers.checks import check_input
+from revnet._layers.couplings import check_exact
 from revnet._layers.options import StackOptions
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
@@ -250,6 +251,8 @@ class RevNet(hk.Module):
         activation_sharding: Any = None,
         decisions: str = "store",
         kinks: str = "recompute",
+        exact: bool = False,
+        exact_bits: int | None = None,
     ):
         """Constructs the network.
 
@@ -279,6 +282,11 @@ class RevNet(hk.Module):
           kinks: ``"recompute"`` (default) or ``"store"``: also store, per
             unit, the branch of every ``relu`` and ``max`` on rebuilt values,
             as in :class:`ReversibleSequence`.
+          exact: If True, the units run on a fixed-point grid and each
+            stage's stream is rebuilt bit for bit (see
+            :class:`AdditiveCoupling`).
+          exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the
+            default for the stream's dtype).
 
         Raises:
           TypeError: If ``depth_config`` is neither a string nor a
@@ -313,6 +321,7 @@ class RevNet(hk.Module):
             activation_sharding=activation_sharding,
         )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        exact, exact_bits = check_exact(module, exact, exact_bits)
         if len(config.channels) != len(config.units) + 1:
             raise ValueError(
                 f"{module}: channels needs one entry for the initial "
@@ -346,7 +355,13 @@ class RevNet(hk.Module):
 
             def unit(x, is_training, residual=residual):
                 f = functools.partial(residual, is_training=is_training)
-                return AdditiveCoupling(f, f, compute_dtype=compute_dtype)(x)
+                return AdditiveCoupling(
+                    f,
+                    f,
+                    compute_dtype=compute_dtype,
+                    exact=exact,
+                    exact_bits=exact_bits,
+                )(x)
 
             self._stages.append(Stage(unit, units, options, name=f"stage_{i}"))
             width = stage_width

@@ -17,6 +17,7 @@ import jax
 import revnet
 from revnet._checks import check_float_dtype, check_int
 from revnet._layers.checks import check_transformer, check_width
+from revnet._layers.couplings import check_exact
 from revnet._layers.options import StackOptions
 from revnet.blocks._names import check_name
 from revnet.blocks.coupling import AdditiveCoupling
@@ -66,6 +67,8 @@ class ReversibleTransformer(hk.Module):
         activation_sharding: Any = None,
         decisions: str = "store",
         kinks: str = "recompute",
+        exact: bool = False,
+        exact_bits: int | None = None,
     ):
         """Constructs the encoder.
 
@@ -97,6 +100,10 @@ class ReversibleTransformer(hk.Module):
           kinks: ``"recompute"`` (default) or ``"store"``: also store, per
             layer, the branch of every ``max``/``min``/``abs``/``relu`` on
             rebuilt values, as in :class:`ReversibleSequence`.
+          exact: If True, the layers run on a fixed-point grid and the stream
+            is rebuilt bit for bit (see :class:`AdditiveCoupling`).
+          exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the
+            default for the stream's dtype).
 
         Raises:
           TypeError: If ``num_layers``, ``num_heads``, ``model_size`` or
@@ -127,6 +134,7 @@ class ReversibleTransformer(hk.Module):
             activation_sharding=activation_sharding,
         )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
+        exact, exact_bits = check_exact(module, exact, exact_bits)
         self.model_size = model_size
         half = model_size // 2
 
@@ -151,6 +159,8 @@ class ReversibleTransformer(hk.Module):
                 lambda h: attention(h, is_training),
                 lambda h: mlp(h, is_training),
                 compute_dtype=compute_dtype,
+                exact=exact,
+                exact_bits=exact_bits,
             )(x)
 
         self._layers = Stage(layer, num_layers, options, name="layers")

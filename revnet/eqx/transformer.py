@@ -97,6 +97,8 @@ class ReversibleTransformerBlock(AdditiveCoupling):
         dropout_rate: float = 0.0,
         dtype: Any = None,
         compute_dtype: Any = None,
+        exact: bool = False,
+        exact_bits: int | None = None,
         key: jax.Array,
     ):
         """Builds the block.
@@ -110,6 +112,10 @@ class ReversibleTransformerBlock(AdditiveCoupling):
           dtype: Dtype of the parameters (Equinox's default when None).
           compute_dtype: None, or a floating point dtype in which attention
             and the MLP compute (see :class:`AdditiveCoupling`).
+          exact: If True, the layers run on a fixed-point grid and are
+            rebuilt bit for bit (see :class:`AdditiveCoupling`).
+          exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the
+            default for the stream's dtype).
           key: PRNG key for the parameters.
 
         Raises:
@@ -130,6 +136,8 @@ class ReversibleTransformerBlock(AdditiveCoupling):
             _Attention(half, num_heads, rate, dtype, kf),
             _MLP(half, mlp_size, rate, dtype, kg),
             compute_dtype=compute_dtype,
+            exact=exact,
+            exact_bits=exact_bits,
         )
 
     def __call__(

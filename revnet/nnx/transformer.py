@@ -82,6 +82,8 @@ class ReversibleTransformerBlock(AdditiveCoupling):
         dropout_rate: float = 0.0,
         param_dtype: Any = jnp.float32,
         compute_dtype: Any = None,
+        exact: bool = False,
+        exact_bits: int | None = None,
         rngs: nnx.Rngs,
     ):
         """Creates the block.
@@ -96,6 +98,10 @@ class ReversibleTransformerBlock(AdditiveCoupling):
           compute_dtype: None, or a floating point dtype in which attention
             and the MLP compute (see :class:`AdditiveCoupling`); left out
             inside a sequence with a ``compute_dtype``, the sequence's.
+          exact: If True, the layers run on a fixed-point grid and are
+            rebuilt bit for bit (see :class:`AdditiveCoupling`).
+          exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the
+            default for the stream's dtype).
           rngs: The RNG streams for the parameters and dropout.
 
         Raises:
@@ -115,6 +121,8 @@ class ReversibleTransformerBlock(AdditiveCoupling):
             _Attention(half, num_heads, rate, param_dtype, rngs),
             _MLP(half, mlp_size, rate, param_dtype, rngs),
             compute_dtype=compute_dtype,
+            exact=exact,
+            exact_bits=exact_bits,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -227,10 +227,11 @@ def _grad_program(bits, depth, width=32, hidden=64):
 
 
 def test_memory_is_flat_in_depth_and_that_of_the_inexact_stack():
-    exact = [temp_size(_grad_program(10, d)) for d in (8, 64)]
-    plain = [temp_size(_grad_program(None, d)) for d in (8, 64)]
+    with runtime_checks(False):  # the default: the checks' flags cost bytes
+        exact = [temp_size(_grad_program(10, d)) for d in (8, 64)]
+        plain = [temp_size(_grad_program(None, d)) for d in (8, 64)]
     assert exact[0] == exact[1], exact
-    assert exact[1] <= plain[1], (exact, plain)
+    assert exact[1] == plain[1], (exact, plain)
     stored = revnet.stored(
         lambda p, x: jnp.sum(revnet.invertible(_stack(10), known_argnums=0)(p, x)),
         _params(jax.random.key(0), 8, 32, 64),
@@ -256,8 +257,9 @@ def _unrolled_flops(bits, depth, width=256, hidden=256):
 
 
 def test_flops_per_layer_are_at_most_ten_percent_above_the_inexact_coupling():
-    exact = _unrolled_flops(10, 3) - _unrolled_flops(10, 2)
-    plain = _unrolled_flops(None, 3) - _unrolled_flops(None, 2)
+    with runtime_checks(False):
+        exact = _unrolled_flops(10, 3) - _unrolled_flops(10, 2)
+        plain = _unrolled_flops(None, 3) - _unrolled_flops(None, 2)
     assert plain > 0
     assert exact <= 1.10 * plain, (exact, plain, exact / plain)
 

@@ -25,7 +25,7 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, log_det, registry, runtime_checks
+from revnet._engine import analysis, exact, log_det, registry, runtime_checks
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
@@ -59,7 +59,7 @@ class CallRule(registry.StructuralRule):
             )
             return None
         custom_ivjp = kind == "custom_ivjp"
-        body = jx.call_body(eqn)
+        body = _body(eqn)
         if body is None and not custom_ivjp:
             an.fail(i, eqn, _no_body(eqn))
             return None
@@ -86,7 +86,7 @@ class CallRule(registry.StructuralRule):
 
     def positionwise(self, an, i, eqn, unknown):
         kind = jx.tag_kind(eqn)
-        body = jx.call_body(eqn)
+        body = _body(eqn)
         if body is None or len(eqn.outvars) != 1:
             return False
         if kind is not None and kind != "scan":
@@ -102,7 +102,7 @@ class CallRule(registry.StructuralRule):
         return True
 
     def solve_positionwise(self, it, i, eqn, unknown, outs):
-        body = jx.call_body(eqn)
+        body = _body(eqn)
         known_in = _known_body_inputs(body, eqn, unknown)
         plan = analysis.analyze(body.jaxpr, known_in, (True,))
         given = [it.read_in(i, n) for n in range(len(eqn.invars)) if n != unknown]
@@ -142,6 +142,11 @@ class CallRule(registry.StructuralRule):
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
 
 
+def _body(eqn):
+    """The body a call is solved by (exact mode's grid: the identity)."""
+    return exact.solving_body(eqn, jx.call_body(eqn))
+
+
 def _no_body(eqn) -> str:
     """Why a call without a body (a hijax primitive revnet cannot expand) fails."""
     kind = jx.hi_kind(eqn)
@@ -173,7 +178,7 @@ class _CallHandler(Handler):
 
     def run(self, it, step, out_cts):
         eqn, known = _split(it, step)
-        body = jx.call_body(eqn)
+        body = _body(eqn)
         consts = list(body.consts)
         outs = [
             it.read(v)
@@ -190,6 +195,8 @@ class _CallHandler(Handler):
             None if step.custom else out_cts,
             None if perturbed is None else [False] * len(consts) + perturbed,
         )
+        if exact.add_params(eqn) is not None:
+            ins = exact.guard(eqn, outs, list(ins), given)
         if cts is not None:
             cts = cts[len(consts) :]
         elif step.custom and out_cts is not None:
@@ -233,9 +240,7 @@ class _CustomHandler(Handler):
             ins = jax.tree_util.tree_leaves(inputs)
             cts = [None] * step.n_hoisted + flat
         runtime_checks.record(
-            ins,
-            [*outs, *[k for k in known if k is not None]],
-            fn.failure or degenerate(eqn),
+            ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
         )
         it.set([it.wiring.eqn_ins[step.eqn][n] for n in step.unknown], ins)
         return cts
@@ -271,10 +276,10 @@ class _CallTerms(log_det.TermRule):
     evaluates = True
 
     def has_terms(self, step, eqn):
-        return log_det.has_terms(step.plan, jx.call_body(eqn).jaxpr)
+        return log_det.has_terms(step.plan, _body(eqn).jaxpr)
 
     def evaluate(self, ev, step, eqn, ins):
-        body = jx.call_body(eqn)
+        body = _body(eqn)
         outs, term = ev.nested(step.plan, body.jaxpr, [*body.consts, *ins])
         return (apply_eqn(eqn, ins) if step.custom else outs), term
 
