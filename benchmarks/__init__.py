@@ -15,6 +15,7 @@ BENCHMARKS = {
     "speed": "speed",
     "train": "training",
     "numerics": "numerics",
+    "exact": "exact",
     "loops": "loops",
     "overhead": "overhead",
     "decisions": "decisions",

@@ -350,6 +350,38 @@ def test_numerics_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_exact_tiny(tmp_path):
+    res = tiny("exact", tmp_path)
+    rows = {(r["mode"], r["depth"]): r for r in res["rows"]}
+    depths = sorted({d for _, d in rows})
+    assert len(depths) >= 2
+    for depth in depths:
+        # Exact mode rebuilds bit for bit at every depth; float32 does not.
+        assert rows["exact", depth]["max_abs_error"] == 0.0
+        assert rows["exact", depth]["bitwise_zero"] is True
+        assert 0 < rows["plain", depth]["max_abs_error"] < 1e-3
+        assert rows["exact", depth]["output_max_abs"] < 2**14  # the exact range
+    plain = [rows["plain", d]["max_abs_error"] for d in depths]
+    assert plain[-1] > plain[0]  # float32 drifts with depth
+    assert 0 < rows["anchored", depths[-1]]["max_abs_error"] <= plain[-1]
+    cost = res["cost"]["coupling"]
+    exact, inexact = cost["exact"], cost["inexact"]
+    assert inexact["flops_per_layer"] > 0
+    ratio = exact["flops_per_layer"] / inexact["flops_per_layer"]
+    assert exact["flops_vs_inexact"] == pytest.approx(ratio)
+    assert 1.0 <= ratio <= 1.10, ratio  # rounding adds a little, never a matmul
+    assert exact["temp_bytes"] == inexact["temp_bytes"] > 0
+    assert cost["standard backprop"]["temp_bytes"] > inexact["temp_bytes"]
+    train = res["training"]
+    assert train["rebuilt_equals_revnet"] is True
+    for mode in ("float", "exact"):
+        last = train[mode]["history"][-1]
+        assert 0 <= last["test_accuracy"]["reversible"] <= 1
+        assert np.isfinite(last["loss"]["reversible"])
+        assert last["grad_max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow
 def test_loops_tiny(tmp_path):
     res = tiny("loops", tmp_path)
     temp = {(r["method"], r["steps"]): r["temp_bytes"] for r in res["sweep"]}
