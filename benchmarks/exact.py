@@ -16,8 +16,8 @@ functions are MLPs (random, non-identity parameters, the same for every mode):
   against inexact (and standard backprop's, for scale); compiled temp memory
   and the median step time of ``jit(grad)`` of a scanned stack.
 * **Training**: ``examples/digits.py``'s run (same data, seed, batches and
-  steps) with its RevNet rebuilt from the same public parts with float and
-  with exact couplings (``RevNet`` takes no ``exact=``): test accuracy of each.
+  steps) with ``RevNet(..., exact=False)`` and ``exact=True``: test accuracy
+  of each.
 
     python -m benchmarks.exact [--quick | --tiny] [--out results]
 """
@@ -254,77 +254,21 @@ def cost(args: Config, repeats: int) -> dict[str, Any]:
 
 
 def exact_revnet_fn(exact: bool):
-    """digits.py's ``net_fn`` with RevNet rebuilt from its public parts and
-    ``AdditiveCoupling(f, f, exact=exact)``: the same modules, names and order
-    of creation as ``RevNet``'s, so one seed gives both the same parameters
-    (:func:`training` checks it). Plain units only: digits.py uses no
-    bottleneck."""
-    import haiku as hk
-    import jax
-    import jax.numpy as jnp
-
-    from revnet.blocks import AdditiveCoupling, ReversibleSequence, StageTransition
-    from revnet.blocks.revnet import residual_function
-
-    bn = {"create_scale": True, "create_offset": True, "decay_rate": 0.9}
-
-    def unit(x, is_training):
-        f = functools.partial(residual_function, is_training=is_training)
-        return AdditiveCoupling(f, f, exact=exact)(x)
-
-    class Net(hk.Module):
-        def __init__(self, config, rev):
-            super().__init__(name="revnet")
-            self.init_conv = hk.Conv2D(config.channels[0], 3, name="init_conv")
-            self.parts, width = [], config.channels[0]
-            for i, units in enumerate(config.units):
-                out = config.channels[i + 1]
-                if i or out != width:
-                    self.parts.append(
-                        StageTransition(out, 2 if i else 1, name=f"transition_{i}")
-                    )
-                self.parts.append(
-                    ReversibleSequence(unit, units, rev, name=f"stage_{i}")
-                )
-                width = out
-            self.final_bn = hk.BatchNorm(**bn, name="final_bn")
-            self.logits = hk.Linear(10, name="logits")
-
-        def __call__(self, images, is_training):
-            h = self.init_conv(images)
-            for part in self.parts:
-                h = part(h, is_training=is_training)
-            h = jax.nn.relu(self.final_bn(h, is_training))
-            return self.logits(jnp.mean(h, axis=(1, 2)))
+    """digits.py's ``net_fn`` with ``RevNet(..., exact=exact)``."""
+    from revnet.blocks import RevNet
 
     def net_fn(images, is_training, config, rev):
-        return Net(config, rev)(images, is_training)
+        net = RevNet(config, num_classes=10, reversible=rev, exact=exact)
+        return net(images, is_training)
 
     return net_fn
 
 
 def training(size: str) -> dict[str, Any]:
-    """digits.py's run with float and with exact couplings; also whether the
-    rebuilt float RevNet starts and computes as digits.py's own does."""
-    import haiku as hk
-    import jax
-    import numpy as np
-
+    """digits.py's run (same data, seed, batches and steps) with float and with
+    exact couplings."""
     digits = measure._load_example_module("digits")
-    config = digits.RevNetConfig((1, 1), (8, 8, 16))  # a transition too
-    images = np.linspace(0, 1, 2 * 8 * 8, dtype=np.float32).reshape(2, 8, 8, 1)
-    same = {}
-    for name, fn in (("revnet", digits.net_fn), ("rebuilt", exact_revnet_fn(False))):
-        net = hk.transform_with_state(functools.partial(fn, config=config, rev=True))
-        params, state = net.init(jax.random.PRNGKey(0), images, True)
-        same[name] = (params, net.apply(params, state, None, images, True)[0])
-    leaves = [jax.tree.leaves(tree) for tree in same.values()]
-    out: dict[str, Any] = {
-        "rebuilt_equals_revnet": jax.tree.structure(same["revnet"])
-        == jax.tree.structure(same["rebuilt"])
-        and all(np.array_equal(a, b) for a, b in zip(*leaves)),
-        "flags": DIGITS[size],
-    }
+    out: dict[str, Any] = {"flags": DIGITS[size]}
     original = digits.net_fn
     try:
         for mode in ("float", "exact"):
@@ -405,10 +349,9 @@ def markdown(results: dict, out: str) -> str:
                 cost_rows,
             ),
             f"Training: `examples/digits.py {' '.join(train['flags'])}` (same "
-            "seed, batches and steps), RevNet rebuilt with float or exact "
-            "couplings (the float rebuild starts and computes as digits.py's "
-            f"RevNet does: {train['rebuilt_equals_revnet']}). Last epoch; one run "
-            "each, so a few points of accuracy are noise:",
+            "seed, batches and steps) with `RevNet(..., exact=False)` and "
+            "`exact=True`. Last epoch; one run each, so a few points of "
+            "accuracy are noise:",
             measure.table(
                 ["couplings", "epoch", "test acc. reversible", "its mean, last 3"]
                 + ["test acc. standard", "loss reversible", "grad gap rev/std"],
