@@ -17,7 +17,14 @@ import pytest
 from jax import lax
 
 import revnet
-from tests.helpers import compiled, flop_count, runtime_checks, temp_size
+from tests.helpers import (
+    assert_trees_close,
+    compiled,
+    flop_count,
+    runtime_checks,
+    temp_size,
+    tolerance,
+)
 
 
 def _params(key, depth, width, hidden, dtype=jnp.float32, scale=0.3):
@@ -320,3 +327,60 @@ def test_the_docstrings_examples_run():
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.attempted >= 10 and result.failed == 0, result
+
+
+def _leapfrog(theta, bits):
+    """A kick-drift-kick step in a learned potential, a harmonic well plus a
+    small learned term (stable, so its gradients stay of order one), exact."""
+
+    def force(q):
+        return -q - jax.grad(lambda q: 0.1 * jnp.sum(jnp.tanh(q @ theta) ** 2))(q)
+
+    def step(carry):
+        i, q, p = carry
+        p = revnet.exact.add(p, 0.05 * force(q), bits=bits)
+        q = revnet.exact.add(q, 0.1 * p, bits=bits)
+        p = revnet.exact.add(p, 0.05 * force(q), bits=bits)
+        return i + 1, q, p
+
+    return step
+
+
+def test_exact_while_loop_rebuilds_its_carry_in_memory_flat_in_the_steps():
+    theta = 0.5 * jax.random.normal(jax.random.key(0), (4, 4))
+    q0 = revnet.exact.grid(jax.random.normal(jax.random.key(1), (3, 4)), bits=16)
+    p0 = jnp.zeros_like(q0)
+    step = _leapfrog(theta, 16)
+
+    def final(theta, q0, steps, rev=True):
+        if not rev:
+            carry = (0, q0, p0)
+            return lax.fori_loop(0, steps, lambda _, c: _leapfrog(theta, 16)(c), carry)
+        return revnet.while_loop(
+            lambda c: c[0] < steps,
+            _leapfrog(theta, 16),
+            (0, q0, p0),
+            max_steps=steps,
+            mode="invert",
+        )
+
+    def loss(theta, q0, steps, rev=True):
+        _, q, p = final(theta, q0, steps, rev)
+        return jnp.sum(q**2) + jnp.sum(p**2)
+
+    # The steps run backwards from the end give the start bit for bit.
+    back = jax.jit(final, static_argnums=2)(theta, q0, 500)
+    inverse = jax.jit(lambda c: revnet.inverse(step, c)(c)[0])
+    for _ in range(500):
+        back = inverse(back)
+    assert int(back[0]) == 0
+    assert jnp.array_equal(back[1], q0) and jnp.array_equal(back[2], p0)
+    got = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(theta, q0, 500)
+    want = jax.grad(loss, (0, 1))(theta, q0, 500, False)
+    assert_trees_close(got, want, rtol=tolerance(jnp.float32, loops=True))
+    with runtime_checks(False):
+        mem = [
+            temp_size(compiled(jax.grad(lambda t, q: loss(t, q, n)), theta, q0))
+            for n in (1000, 100_000)
+        ]
+    assert mem[0] == mem[1], mem
