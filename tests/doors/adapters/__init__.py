@@ -12,7 +12,7 @@ framework would write it, through revnet's public front door, with:
   batch statistics) and dropout (rate :data:`RATE`), on an input ``x`` of
   shape ``[BATCH, WIDTH]``. The same ``seed`` gives the same parameters,
   reversible or not. It also takes the sequence's ``compute_dtype`` and
-  ``activation_sharding``;
+  ``activation_sharding``, and ``exact`` (the couplings' ``exact=True``);
 * ``build_mixed(*, dtype, reversible, seed=0) -> Built``: a list of
   different blocks (that coupling, an affine coupling, that coupling again);
 * ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,
@@ -26,7 +26,8 @@ framework would write it, through revnet's public front door, with:
   ``ActNorm`` (initialised from :func:`layer_input`), ``InvertibleConv1x1``
   and ``Squeeze`` alone, ``forward(x) -> (y, log_det)`` on a batch;
 * ``ERRORS``: ``(make, exception type, message pattern)`` rows of bad input
-  that the door refuses in one line.
+  that the door refuses in one line; ``EXACT_ERRORS``: the same for the exact
+  mode's options (see :func:`exact_in_bfloat16`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 BATCH = 16
 WIDTH = 32
@@ -81,3 +83,14 @@ def flow_input(seed, dtype):
 def layer_input(dtype):
     """The input of the flow layers alone: an image batch ``[2, 4, 4, 4]``."""
     return 1.0 + 2.0 * example_input(0, dtype, (2, 4, 4, 4))
+
+
+def exact_in_bfloat16(build):
+    """A row's thunk: the door's exact stack built and applied on a bfloat16
+    stream (which exact mode refuses)."""
+
+    def thunk():
+        built = build(2, dtype=jnp.bfloat16, reversible=True, exact=True)
+        built.apply(built.params, built.state, built.x, jax.random.PRNGKey(0))
+
+    return thunk

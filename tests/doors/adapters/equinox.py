@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,6 +19,7 @@ from tests.doors.adapters import (
     WIDTH,
     Built,
     Flow,
+    exact_in_bfloat16,
     example_input,
     flow_input,
     layer_input,
@@ -63,13 +66,15 @@ class Net(eqx.Module):
         return self.mlp(h)
 
 
-def _coupling(dtype):
+def _coupling(dtype, exact=False):
     half = WIDTH // 2
 
     def make_block(key):
         kf, kg = jax.random.split(key)
         return revnet.eqx.AdditiveCoupling(
-            Residual(half, key=kf, dtype=dtype), Residual(half, key=kg, dtype=dtype)
+            Residual(half, key=kf, dtype=dtype),
+            Residual(half, key=kg, dtype=dtype),
+            exact=exact,
         )
 
     return make_block
@@ -175,9 +180,10 @@ def build(
     seed=0,
     compute_dtype=None,
     activation_sharding=None,
+    exact=False,
 ):
     return _built(
-        _coupling(dtype),
+        _coupling(dtype, exact),
         depth,
         example_input(seed, dtype),
         seed,
@@ -248,5 +254,26 @@ ERRORS = [
         lambda: revnet.eqx.ReversibleTransformerBlock(15, 2, 32, key=jax.random.key(0)),
         ValueError,
         "model_size must be even",
+    ),
+]
+
+
+EXACT_ERRORS = [
+    (
+        lambda: revnet.eqx.AffineCoupling(
+            Net(WIDTH // 2, key=jax.random.key(0), dtype=jnp.float32), exact=True
+        ),
+        ValueError,
+        re.escape("AdditiveCoupling(f, g, exact=True)"),
+    ),
+    (
+        exact_in_bfloat16(build),
+        TypeError,
+        "needs a float32 or float64 stream, got bfloat16",
+    ),
+    (
+        lambda: revnet.eqx.AdditiveCoupling(jnp.tanh, jnp.tanh, exact_bits=8),
+        ValueError,
+        "exact_bits=8 applies only with exact=True",
     ),
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from tests.doors.adapters import (
     WIDTH,
     Built,
     Flow,
+    exact_in_bfloat16,
     example_input,
     flow_input,
     layer_input,
@@ -32,8 +36,8 @@ def residual(h):
     return hk.dropout(hk.next_rng_key(), RATE, jnp.tanh(u))
 
 
-def block(x):
-    return blocks.AdditiveCoupling(residual, residual)(x)
+def block(x, *, exact=False):
+    return blocks.AdditiveCoupling(residual, residual, exact=exact)(x)
 
 
 def affine(x):
@@ -104,10 +108,11 @@ def build(
     seed=0,
     compute_dtype=None,
     activation_sharding=None,
+    exact=False,
 ):
     def model(x):
         seq = blocks.ReversibleSequence(
-            block,
+            functools.partial(block, exact=exact),
             depth,
             reversible=reversible,
             anchor_every=anchor_every,
@@ -182,5 +187,24 @@ ERRORS = [
         _made(lambda: blocks.ReversibleTransformer(2, 2, 15, 32)),
         ValueError,
         "model_size must be even",
+    ),
+]
+
+
+EXACT_ERRORS = [
+    (
+        _made(lambda: blocks.AffineCoupling(hk.nets.MLP([WIDTH]), exact=True)),
+        ValueError,
+        re.escape("AdditiveCoupling(f, g, exact=True)"),
+    ),
+    (
+        exact_in_bfloat16(build),
+        TypeError,
+        "needs a float32 or float64 stream, got bfloat16",
+    ),
+    (
+        _made(lambda: blocks.AdditiveCoupling(residual, residual, exact_bits=8)),
+        ValueError,
+        "exact_bits=8 applies only with exact=True",
     ),
 ]

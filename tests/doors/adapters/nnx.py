@@ -8,6 +8,8 @@ key per layer), so the same key gives the same masks, as in the other doors.
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
@@ -22,6 +24,7 @@ from tests.doors.adapters import (
     WIDTH,
     Built,
     Flow,
+    exact_in_bfloat16,
     example_input,
     flow_input,
     layer_input,
@@ -48,13 +51,14 @@ class Residual(nnx.Module):
         return self.dropout(jnp.tanh(self.norm(self.linear(h))))
 
 
-def _coupling(dtype):
+def _coupling(dtype, exact=False):
     half = WIDTH // 2
 
     def block(rngs):
         return revnet.nnx.AdditiveCoupling(
             Residual(half, dtype=dtype, rngs=rngs),
             Residual(half, dtype=dtype, rngs=rngs),
+            exact=exact,
         )
 
     return block
@@ -156,9 +160,10 @@ def build(
     seed=0,
     compute_dtype=None,
     activation_sharding=None,
+    exact=False,
 ):
     return _built(
-        _coupling(dtype),
+        _coupling(dtype, exact),
         depth,
         example_input(seed, dtype),
         seed,
@@ -229,5 +234,28 @@ ERRORS = [
         lambda: revnet.nnx.ReversibleTransformerBlock(15, 2, 32, rngs=nnx.Rngs(0)),
         ValueError,
         "model_size must be even",
+    ),
+]
+
+
+def _net(rngs):
+    return nnx.Linear(WIDTH // 2, WIDTH, rngs=rngs)
+
+
+EXACT_ERRORS = [
+    (
+        lambda: revnet.nnx.AffineCoupling(_net(nnx.Rngs(0)), exact=True),
+        ValueError,
+        re.escape("AdditiveCoupling(f, g, exact=True)"),
+    ),
+    (
+        exact_in_bfloat16(build),
+        TypeError,
+        "needs a float32 or float64 stream, got bfloat16",
+    ),
+    (
+        lambda: revnet.nnx.AdditiveCoupling(jnp.tanh, jnp.tanh, exact_bits=8),
+        ValueError,
+        "exact_bits=8 applies only with exact=True",
     ),
 ]
