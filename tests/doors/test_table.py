@@ -304,13 +304,6 @@ def test_bad_input_is_refused_in_one_line(name, make, error, message):
 
 EXACT_DEPTH = 64
 
-EQX_VMAP = pytest.mark.xfail(
-    raises=revnet.NotInvertibleError,
-    strict=True,
-    reason="revnet bug: under jax.vmap a custom_ivjp (revnet.exact's grid and "
-    "add) loses its tag, and the Equinox door vmaps each block over the batch, "
-    "so its exact stack is refused ('cannot solve `round`')",
-)
 OPTIMIZED_BATCHNORM = pytest.mark.xfail(
     raises=AssertionError,
     strict=True,
@@ -319,7 +312,16 @@ OPTIMIZED_BATCHNORM = pytest.mark.xfail(
     "backward into code whose last bits differ (op by op, or without them, as "
     "the suite compiles, the gradients are equal bit for bit)",
 )
-EXACT_DOORS = [pytest.param(d, marks=EQX_VMAP) if d == "equinox" else d for d in DOORS]
+EQUINOX_LAST_BITS = pytest.mark.xfail(
+    raises=AssertionError,
+    strict=True,
+    reason="the Equinox door's exact gradients differ from its twin's in the "
+    "last bits (about 4e-7 relative), even as the suite compiles; its stack is "
+    "still rebuilt bit for bit. Cause not found yet: unlike the other doors it "
+    "vmaps each block over the batch, BatchNorm's statistics a pmean over the "
+    "vmapped axis",
+)
+EXACT_DOORS = DOORS
 COUPLING = {"haiku": "additive_coupling", "equinox": "AdditiveCoupling"}
 
 
@@ -335,6 +337,12 @@ def on_grid(x):
     return bool(jnp.all(revnet.exact.grid(x) == x))
 
 
+def fresh(state):
+    """A copy of a door's state (Equinox refuses a state used once already)."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 @pytest.mark.parametrize("name", EXACT_DOORS)
 def test_an_exact_stack_is_rebuilt_bit_for_bit(name):
     built = load(name).build(
@@ -342,7 +350,7 @@ def test_an_exact_stack_is_rebuilt_bit_for_bit(name):
     )
 
     def forward(x):
-        return built.apply(built.params, built.state, x, KEY)[0]
+        return built.apply(built.params, fresh(built.state), x, KEY)[0]
 
     y = jax.jit(forward)(built.x)
     assert on_grid(y)
@@ -358,11 +366,9 @@ def _bitwise_rows():
         for mode in ("suite", "optimized"):
             marks = [pytest.mark.slow]  # two programs of depth 64: 4 to 12 s
             if mode == "optimized":
-                marks.append(pytest.mark.optimized)
-            if name == "equinox":
-                marks.append(EQX_VMAP)
-            elif mode == "optimized":
-                marks.append(OPTIMIZED_BATCHNORM)
+                marks += [pytest.mark.optimized, OPTIMIZED_BATCHNORM]
+            elif name == "equinox":
+                marks.append(EQUINOX_LAST_BITS)
             rows.append(pytest.param(name, marks=marks, id=f"{name}-{mode}"))
     return rows
 
@@ -412,7 +418,7 @@ def test_leaving_the_exact_range_is_named_in_one_line(name):
     built = load(name).build(2, dtype=jnp.float32, reversible=True, exact=True)
 
     def loss(params, x):
-        return jnp.sum(jnp.sin(built.apply(params, built.state, x, KEY)[0]))
+        return jnp.sum(jnp.sin(built.apply(params, fresh(built.state), x, KEY)[0]))
 
     grad = jax.grad(loss, (0, 1))
     grad(built.params, built.x)  # in range: no error
