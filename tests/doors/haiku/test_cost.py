@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from revnet import blocks
+from revnet.blocks.sequence import Stage
 from tests.doors.haiku.descriptors import affine
 from tests.helpers import compiled, flop_count, runtime_checks, temp_size
 
@@ -159,3 +160,72 @@ def test_unrolled_chain_flops_within_limit():
     ratio = step_flops(True) / step_flops(False)
     print(f"unrolled chain: FLOP ratio {ratio:.3f}")
     assert 1.1 <= ratio <= 1.34
+
+
+def unrolled_transformer(depth: int, mlp_size: int, remat: bool):
+    """The transformer's own layer, unrolled: reversible, or ``hk.remat``'d.
+
+    The remat twin is ``hk.layer_stack`` + ``hk.remat`` as a Python loop (a
+    scan's body is counted once, so neither twin scans).
+    """
+
+    def unroll(next_f, args, kwargs, context):
+        seq = context.module
+        if type(seq) is not Stage or context.method_name != "__call__":
+            return next_f(*args, **kwargs)
+        ((block_fn,), (x,)) = seq.block_fns, args
+        layer = functools.partial(block_fn, **kwargs)
+        if not remat:
+            return blocks.ReversibleSequence([layer] * seq.num_layers)(x)
+        for i in range(seq.num_layers):
+            with hk.name_scope(f"layer_{i}"):
+                x = hk.remat(layer)(x)
+        return x
+
+    def forward(x):
+        with hk.intercept_methods(unroll):
+            return blocks.ReversibleTransformer(
+                depth, num_heads=4, model_size=64, mlp_size=mlp_size
+            )(x, True)
+
+    return hk.transform(forward)
+
+
+def block_flops(mlp_size: int, remat: bool) -> float:
+    """FLOPs per layer of a training step: depth 2 minus depth 1."""
+    x = jax.ShapeDtypeStruct(SHAPES[transformer], jnp.float32)
+
+    def step_flops(depth):
+        net = unrolled_transformer(depth, mlp_size, remat)
+        params = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+
+        def loss(params, x):
+            return jnp.sum(jnp.sin(net.apply(params, None, x)))
+
+        with runtime_checks(False):
+            return flop_count(compiled(jax.grad(loss), params, x))
+
+    return step_flops(2) - step_flops(1)
+
+
+@pytest.mark.parametrize("mlp_size", [128, 256])
+def test_transformer_flops_at_structural_bound(mlp_size):
+    """Per layer, the reversible step does remat's work plus G's last linear.
+
+    Rebuilding ``x2 = y2 - G(y1)`` needs all of ``G(y1)``; remat's recompute
+    stops at the input of G's last linear (its VJP needs no output). So the
+    bound on reversible / remat is ``1 + L / remat``, with ``L`` that linear's
+    forward FLOPs: ``4 / 3.75 = 1.067`` where ``L`` is a quarter of the block's
+    forward (conv), more where the MLP is wider. A duplicated projection,
+    LayerNorm or softmax would exceed it.
+    """
+    batch, time, model_size = SHAPES[transformer]
+    last_linear = 2 * batch * time * mlp_size * (model_size // 2)
+    rev, remat = (block_flops(mlp_size, r) for r in (False, True))
+    print(
+        f"mlp {mlp_size}: reversible / remat {rev / remat:.4f}, "
+        f"bound {(remat + last_linear) / remat:.4f}"
+    )
+    assert remat < rev <= remat + last_linear
+    if mlp_size == 2 * model_size:  # L a quarter of the forward's matmuls
+        assert rev / remat <= 1.07
