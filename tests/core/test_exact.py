@@ -201,7 +201,13 @@ def _grads(stack, params, x, rev):
     return jax.jit(jax.grad(loss, (0, 1)))(params, x)
 
 
-def test_gradients_equal_plain_autodiff_of_the_quantised_program_bit_for_bit():
+@pytest.mark.parametrize(
+    "compiled_as",
+    ["suite", pytest.param("optimized", marks=pytest.mark.optimized)],
+)
+def test_gradients_equal_plain_autodiff_of_the_quantised_program_bit_for_bit(
+    compiled_as,
+):
     x, _, _, params = _reconstruct(64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing grows with depth
