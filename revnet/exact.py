@@ -20,9 +20,11 @@ depth and any number of steps.
   NaN instead of an inexact value, and with :func:`revnet.set_runtime_checks`
   on the backward pass raises one line naming the update.
 
-The couplings' ``exact=True`` (every front door's ``AdditiveCoupling``) use
-these two. Only additive updates can be exact: a product of grid values needs
-more bits than the grid holds, so an affine coupling refuses ``exact=True``.
+The couplings' ``exact=True`` (every front door's ``AdditiveCoupling``,
+Haiku's ``RevNet`` and ``ReversibleTransformer``, the NNX and Equinox
+transformer blocks) use these two. Only additive updates can be exact: a
+product of grid values needs more bits than the grid holds, so an affine
+coupling refuses ``exact=True``.
 
 The default grid leaves a range of ``|x| < 16384`` in every dtype:
 ``2**-10`` in float32, ``2**-39`` in float64. 16-bit floats are refused: their
@@ -30,9 +32,14 @@ mantissa (8 bits in bfloat16, 11 in float16) leaves no useful grid. Keep the
 stream in float32 and compute the residual functions in bfloat16
 (``compute_dtype``) instead.
 
-The promise rests on one premise: the residual functions give the same bits
-when evaluated again on the same values. That holds for XLA on CPU. On a GPU,
-ask XLA for deterministic operations (``--xla_gpu_deterministic_ops=true``).
+The promise rests on one premise: an increment computed again in the
+backward pass rounds to the same grid point as in the forward pass. It does
+when the residual functions give the same bits again, as MLPs do on XLA:CPU;
+a reduction that XLA sums in another order in the backward program (a
+LayerNorm, a softmax) changes the last bit, which moves the rounding only
+within that bit of a tie. The numerical-accuracy guide gives what was
+measured; anchors with a :class:`revnet.DriftMonitor` read any slip. On a
+GPU, ask XLA for deterministic operations (``--xla_gpu_deterministic_ops``).
 
 Example:
 
