@@ -44,9 +44,11 @@ test-all: $(STAMP_TEST) $(STAMP_EXP) chromium
 	$(PY) -m pytest -n 2 -q tests
 
 # The documentation site, in strict mode: a broken link, a missing page or a
-# public name on no API page fails (docs/hooks/). Open site/index.html.
+# public name on no API page fails (docs/hooks/). Open site/index.html. No -q:
+# mkdocs 1.6's -q lowers its logger to ERROR, so warnings would never reach
+# --strict and the build would pass with them (tests/project/test_docs_site.py).
 docs: $(STAMP_EXP)
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The core, loops and blocks suites under JAX's opt-in "next primitive" flags,
 # which reroute jax.custom_vjp, jax.checkpoint and lax.scan to JAX's hijax
