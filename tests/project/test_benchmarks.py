@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -581,12 +582,15 @@ def test_flows_tiny_run_keeps_its_claims(tmp_path):
 
 @pytest.mark.slow
 def test_demo_tiny_report_states_its_sizes_and_embeds_its_plot(tmp_path):
-    """``make demo``'s program at its tiny size: the report says it is a tiny
-    run, states its sizes, embeds the plot it wrote, keeps the smoke training
-    and the timings out, and the memory it plots is flat for the reversible
-    stack and linear for standard backprop."""
+    """``make demo``'s program at its tiny size: tqdm's bar on stderr counts
+    its three parts to the end; the report says it is a tiny run, states its
+    sizes, embeds the plot it wrote, keeps the smoke training and the timings
+    out, and the memory it plots is flat for the reversible stack and linear
+    for standard backprop."""
     proc = python("-m", "benchmarks.demo", "--tiny", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"demo: +0%\|.*\| 0/3 ", proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"demo: 100%\|.*\| 3/3 ", proc.stderr), proc.stderr[-3000:]
     with open(tmp_path / "demo.json") as f:
         results = json.load(f)
     text = (tmp_path / "REPORT.md").read_text()
