@@ -154,7 +154,8 @@ class _WithLogDet:
         n_out = len(jaxpr.outvars)
         dtype = _check_square(flat_args, jaxpr.outvars[:n_out], fname)
 
-        def reduce(term, aval, eqn):
+        def reduce(term, aval, eqn, shape):
+            # ``shape``: the batch's (a shard_map body's blocks of it), or ().
             if jnp.ndim(term) != len(aval.shape):
                 raise log_det.refusal(
                     eqn,
@@ -162,9 +163,8 @@ class _WithLogDet:
                     f"input of rank {len(aval.shape)}",
                 )
             term = jnp.asarray(term).astype(dtype)
-            if batch is None:
-                return jnp.sum(term)
-            return jnp.broadcast_to(jnp.sum(term, tuple(range(k, term.ndim))), batch)
+            summed = jnp.sum(term, tuple(range(len(shape), term.ndim)))
+            return jnp.broadcast_to(summed, shape)
 
         zero = jnp.zeros(batch or (), dtype)
         outs, total = log_det.evaluate(

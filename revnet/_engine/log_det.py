@@ -167,21 +167,54 @@ class Evaluation:
     """One forward evaluation of a jaxpr with its log-determinant.
 
     Attributes:
-      reduce: ``reduce(term, aval, eqn)`` sums a term (an array of the solved
-        input's rank, see :mod:`revnet._engine.registry`) to the
-        log-determinant's shape: a scalar, or one value per example (the
+      reducer: ``reducer(term, aval, eqn, shape)`` sums a term (an array of the
+        solved input's rank, see :mod:`revnet._engine.registry`) to the
+        log-determinant's ``shape``: a scalar, or one value per example (the
         program was proved per example before: :func:`evaluate`).
-      zero: the log-determinant's zero.
+      zero: the log-determinant's zero, of the shape terms reduce to.
+      share: None, or inside a ``shard_map`` body ``share(term, avals, eqn)``:
+        a reduced term of solved values of types ``avals`` made the sum of its
+        distinct copies over the devices
+        (:mod:`revnet._engine.structural.shard_map`).
     """
 
-    def __init__(self, plan: Plan, jaxpr: Any, reduce: Callable, zero: Any):
+    def __init__(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        reducer: Callable,
+        zero: Any,
+        share: Callable | None = None,
+    ):
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
-        self.reduce, self.zero = reduce, zero
+        self.reducer, self.zero, self.share = reducer, zero, share
         self.env: dict = {}
 
-    def nested(self, plan: Plan, jaxpr: Any, args: Sequence[Any]) -> tuple[list, Any]:
-        """:func:`evaluate` for a nested body, with this evaluation's reduction."""
-        return Evaluation(plan, jaxpr, self.reduce, self.zero).run(args)
+    def reduce(self, term: Any, aval: Any, eqn: Any) -> Any:
+        """``term``, of a solved value of type ``aval``, summed to the
+        log-determinant's shape (and shared, inside a ``shard_map`` body)."""
+        term = self.reducer(term, aval, eqn, tuple(self.zero.shape))
+        return self.shared(term, [aval], eqn)
+
+    def shared(self, term: Any, avals: Sequence[Any], eqn: Any) -> Any:
+        """A reduced term of solved values of types ``avals`` through
+        :attr:`share`; unchanged outside a ``shard_map`` body."""
+        return term if self.share is None else self.share(term, avals, eqn)
+
+    def nested(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        args: Sequence[Any],
+        zero: Any = None,
+        share: Callable | None = None,
+    ) -> tuple[list, Any]:
+        """:func:`evaluate` for a nested body, with this evaluation's reduction,
+        zero and share, or the ``zero`` and ``share`` given (a ``shard_map``
+        body's, per device)."""
+        zero = self.zero if zero is None else zero
+        share = self.share if share is None else share
+        return Evaluation(plan, jaxpr, self.reducer, zero, share).run(args)
 
     def rule_term(self, name: str, i: int, n: int) -> Any:
         """The term of the rule ``name`` for input ``n`` of equation ``i``, at
@@ -252,14 +285,14 @@ def evaluate(
     plan: Plan,
     jaxpr: Any,
     args: Sequence[Any],
-    reduce: Callable,
+    reducer: Callable,
     zero: Any,
     batch: tuple | None = None,
     n_out: int | None = None,
 ) -> tuple[list, Any]:
     """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
     outputs and the log-determinant of the map from ``plan``'s unknown inputs
-    to its outputs (see :class:`Evaluation` for ``reduce`` and ``zero``).
+    to its outputs (see :class:`Evaluation` for ``reducer`` and ``zero``).
 
     With ``batch`` (the batch's shape), the unknown inputs lead with the
     batch's axes and the log-determinant is one per example; the first
@@ -274,7 +307,7 @@ def evaluate(
         n_out = len(jaxpr.outvars) if n_out is None else n_out
         in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
         _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out)
-    return Evaluation(plan, jaxpr, reduce, zero).run(args)
+    return Evaluation(plan, jaxpr, reducer, zero).run(args)
 
 
 def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
