@@ -166,7 +166,7 @@ class _WithLogDet:
             summed = jnp.sum(term, tuple(range(len(shape), term.ndim)))
             return jnp.broadcast_to(summed, shape)
 
-        zero = jnp.zeros(batch or (), dtype)
+        zero = log_det.zero(flat_args, batch or (), dtype)
         outs, total = log_det.evaluate(
             plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch, n_out
         )

@@ -27,8 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from revnet._engine import jaxpr as jx
-from revnet._engine import registry
+from revnet._engine import registry, sharding
 from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
@@ -194,7 +199,12 @@ class Evaluation:
         """``term``, of a solved value of type ``aval``, summed to the
         log-determinant's shape (and shared, inside a ``shard_map`` body)."""
         term = self.reducer(term, aval, eqn, tuple(self.zero.shape))
-        return self.shared(term, [aval], eqn)
+        return self.shared(self.like_zero(term), [aval], eqn)
+
+    def like_zero(self, term: Any) -> Any:
+        """A reduced term with the log-determinant's Explicit sharding, so that
+        a sum carried through a loop keeps its type."""
+        return sharding.explicit_like(term, jax.typeof(self.zero))
 
     def shared(self, term: Any, avals: Sequence[Any], eqn: Any) -> Any:
         """A reduced term of solved values of types ``avals`` through
@@ -279,6 +289,23 @@ class Evaluation:
             for v, a in zip(w.outvars, self.jaxpr.outvars)
         ]
         return outs, self.zero if total is None else total
+
+
+def zero(args: Sequence[Any], shape: tuple, dtype: Any) -> Any:
+    """The log-determinant's zero, of ``shape`` (the batch's, or ``()``).
+
+    On the Explicit mesh of the rebuilt arguments ``args``, it is split as the
+    first one splits the batch's axes (replicated for a scalar): the type the
+    terms have, so that a sum carried through a loop keeps its type.
+    """
+    z = jnp.zeros(shape, dtype)
+    for a in args:
+        t = jax.typeof(a)
+        spec = sharding.explicit_spec(t, len(t.shape))
+        if spec is not None:
+            split = NamedSharding(t.sharding.mesh, P(*spec[: len(shape)]))
+            return jax.sharding.reshard(z, split)
+    return z
 
 
 def evaluate(

@@ -309,7 +309,7 @@ class _CustomTerms(log_det.TermRule):
             # the batch's (a term per position of an image): summed.
             t = jax.numpy.sum(t, axis=tuple(range(k, t.ndim)))
             avals = [jx.aval(eqn.invars[n]) for n in step.unknown]
-            return ev.shared(t, avals, eqn)
+            return ev.shared(ev.like_zero(t), avals, eqn)
         raise log_det.refusal(
             eqn,
             f"the log-determinant of custom_ivjp function {fn.__name__!r} has shape "
