@@ -12,8 +12,12 @@ for a bijection, ``log|k|`` for a known factor, ``slogdet`` of a known matrix
 per row, zero for sums of known values and layout ops) and from the steps of
 the structural rules, which register a :class:`TermRule` here: a nested call
 sums its body's terms, a ``scan`` the terms of its steps, a ``select_n`` the
-picked case's. A step type without one (``shard_map``, a ``custom_ivjp``
-function) is refused.
+picked case's, a ``custom_ivjp`` function its own (``deflogdet``), and a
+``shard_map`` its devices' terms with each distinct block counted once: a term
+is summed (``psum``) over the manual mesh axes along which the value it
+solves varies, so a value replicated along an axis counts once
+(:mod:`revnet._engine.structural.shard_map`). A step type without one is
+refused.
 
 :func:`evaluate` runs a program forward and adds up the terms of the steps the
 inverse would take, from the forward values: the result is plain JAX, so it
@@ -34,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from revnet._engine import jaxpr as jx
 from revnet._engine import registry, sharding
-from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
+from revnet._engine.batch_axes import LEADING, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
@@ -340,24 +344,20 @@ def evaluate(
 def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
     """Refuses a program whose first ``n_out`` outputs are not each a function
     of their own example: its Jacobian is not block diagonal by example. Names
-    the first equation that mixes examples on the way to such an output."""
-    flags, outs = tracker.run(jaxpr, in_flags)
-    bad = [v for v, f in zip(jaxpr.outvars[:n_out], outs) if f == MIXED]
-    if not bad:
+    the first equation that mixes examples on the way to such an output (inside
+    a ``shard_map``'s body, the body's)."""
+    found = tracker.first_mixing(jaxpr, in_flags, range(n_out))
+    if found is None:
         return
-    reach = {v for v in bad if not jx.is_literal(v)}
-    for eqn in reversed(jaxpr.eqns):  # the equations leading to them
-        if any(v in reach for v in eqn.outvars):
-            reach.update(v for v in eqn.invars if not jx.is_literal(v))
-    for eqn in jaxpr.eqns:
-        if not any(v in reach for v in eqn.outvars):
-            continue
-        ins = [UNBATCHED if jx.is_literal(v) else flags[v] for v in eqn.invars]
-        if MIXED not in ins and any(flags.get(v) == MIXED for v in eqn.outvars):
-            raise refusal(
-                eqn,
-                "a per-example log-determinant needs each example's outputs to "
-                "depend on that example alone, and this equation mixes the "
-                "batch's examples (or moves their axis from the front); pass "
-                "batch_ndim=0 for one log-determinant of the whole map",
-            )
+    eqn, reason = found
+    raise refusal(
+        eqn,
+        "a per-example log-determinant needs each example's outputs to depend "
+        "on that example alone, and "
+        + (
+            reason
+            or "this equation mixes the batch's examples (or moves their axis "
+            "from the front)"
+        )
+        + "; pass batch_ndim=0 for one log-determinant of the whole map",
+    )
