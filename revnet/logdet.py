@@ -7,7 +7,8 @@ known: ordered that way the Jacobian is block triangular, and ``log|det J|``
 is the sum of each solved equation's local term (``log|f'(x)|`` for an
 elementwise bijection, ``log|k|`` for a known factor, ``slogdet(W)`` per row
 for a known square matrix, zero for additions of known values and layout ops,
-the sum over steps for a ``scan``, the picked case's term for ``jnp.where``).
+the sum over steps for a ``scan``, the picked case's term for ``jnp.where``,
+the devices' terms for a ``shard_map``, each distinct block once).
 The terms are computed from the forward values in stable forms
 (``log(1 - tanh(x)**2)`` as ``2 (log 2 - x - softplus(-2x))``), so the
 result is plain JAX: it differentiates, jits and vmaps like the function.
@@ -90,9 +91,11 @@ def forward_and_log_det(
 
     Raises:
       NotInvertibleError: if ``fun`` cannot be inverted, or a step has no
-        log-determinant revnet can derive (a ``custom_ivjp`` function, a
-        ``shard_map``, an inverse rule registered without ``log_det``): the
-        message names the equation and its source line.
+        log-determinant revnet can derive (a ``custom_ivjp`` function without
+        ``deflogdet``, an ``all_gather``, a ``shard_map`` with
+        ``check_vma=False`` whose values may be replicated, an inverse rule
+        registered without ``log_det``): the message names the equation and
+        its source line.
       ValueError: if the map is not square, a rebuilt input or an output is
         not floating, or the rebuilt arguments do not share ``batch_ndim``
         leading axes.
@@ -154,7 +157,8 @@ class _WithLogDet:
         n_out = len(jaxpr.outvars)
         dtype = _check_square(flat_args, jaxpr.outvars[:n_out], fname)
 
-        def reduce(term, aval, eqn):
+        def reduce(term, aval, eqn, shape):
+            # ``shape``: the batch's (a shard_map body's blocks of it), or ().
             if jnp.ndim(term) != len(aval.shape):
                 raise log_det.refusal(
                     eqn,
@@ -162,11 +166,10 @@ class _WithLogDet:
                     f"input of rank {len(aval.shape)}",
                 )
             term = jnp.asarray(term).astype(dtype)
-            if batch is None:
-                return jnp.sum(term)
-            return jnp.broadcast_to(jnp.sum(term, tuple(range(k, term.ndim))), batch)
+            summed = jnp.sum(term, tuple(range(len(shape), term.ndim)))
+            return jnp.broadcast_to(summed, shape)
 
-        zero = jnp.zeros(batch or (), dtype)
+        zero = log_det.zero(flat_args, batch or (), dtype)
         outs, total = log_det.evaluate(
             plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch, n_out
         )

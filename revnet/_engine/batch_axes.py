@@ -23,7 +23,7 @@ bodies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from revnet._engine import jaxpr as jx
@@ -52,6 +52,44 @@ _HARMLESS = frozenset(
         "rounding_method",
     }
 )
+
+
+# Collectives that map each position to the same position on other devices.
+_IN_PLACE = frozenset({"ppermute", "psum", "psum_invariant", "pmax", "pmin"})
+# Collectives that move or concatenate along these dimensions.
+_COLLECTIVE_DIMS = {
+    "all_to_all": ("split_axis", "concat_axis"),
+    "all_gather": ("all_gather_dimension",),
+    "all_gather_invariant": ("all_gather_dimension",),
+    "reduce_scatter": ("scatter_dimension",),
+}
+
+
+def spec_entries(spec: Any, k: int) -> tuple:
+    """The mesh axes that split each of a ``PartitionSpec``'s first ``k``
+    dimensions, a tuple of names for each."""
+    padded = (*tuple(spec or ()), *(None,) * k)[:k]
+    return tuple(
+        () if e is None else tuple(e) if isinstance(e, (tuple, list)) else (e,)
+        for e in padded
+    )
+
+
+def _named_axes(eqn: Any) -> frozenset:
+    """The mesh axes a collective equation runs along."""
+    p = eqn.params
+    names = p.get("axis_name", p.get("axes", ()))
+    names = names if isinstance(names, (tuple, list)) else (names,)
+    return frozenset(a for a in names if isinstance(a, str))
+
+
+def _collective(eqn: Any) -> bool:
+    """Whether ``eqn`` communicates between devices (or changes varying axes)."""
+    return (
+        "axis_name" in eqn.params
+        or jx.primitive_name(eqn) in _IN_PLACE | {"pvary"}
+        or bool(_named_axes(eqn))
+    )
 
 
 def _join(flags: Sequence[int]) -> int:
@@ -154,10 +192,15 @@ def _untouched(eqn, k) -> bool:
 
 
 class Tracker:
-    """Flags the variables of one jaxpr (by the plan's wiring ids)."""
+    """Flags the variables of one jaxpr (by the plan's wiring ids).
 
-    def __init__(self, batch: tuple):
+    Inside a ``shard_map`` body (``manual``), the batch is the devices'
+    blocks of it, split along the mesh axes ``axes``.
+    """
+
+    def __init__(self, batch: tuple, axes: frozenset = frozenset(), manual=False):
         self.batch, self.k = batch, len(batch)
+        self.axes, self.manual = axes, manual
 
     def run(self, jaxpr: Any, in_flags: Sequence[int]) -> tuple[dict, list[int]]:
         """``(flags by variable, flags of the outputs)``."""
@@ -172,6 +215,74 @@ class Tracker:
                 if not jx.is_dropvar(v):
                     flags[v] = f
         return flags, [flag(a) for a in jaxpr.outvars]
+
+    def first_mixing(
+        self, jaxpr: Any, in_flags: Sequence[int], outputs: Iterable[int]
+    ) -> tuple[Any, str | None] | None:
+        """The first equation of ``jaxpr`` that mixes examples on the way to
+        one of its ``outputs`` (positions), with the reason when this pass
+        can say more than that it mixes them (None); None if none does."""
+        flags, outs = self.run(jaxpr, in_flags)
+        bad = [jaxpr.outvars[n] for n in outputs if outs[n] == MIXED]
+        reach = {v for v in bad if not jx.is_literal(v)}
+        if not reach:
+            return None
+        for eqn in reversed(jaxpr.eqns):  # the equations leading to them
+            if any(v in reach for v in eqn.outvars):
+                reach.update(v for v in eqn.invars if not jx.is_literal(v))
+        for eqn in jaxpr.eqns:
+            if not any(v in reach for v in eqn.outvars):
+                continue
+            ins = [UNBATCHED if jx.is_literal(v) else flags[v] for v in eqn.invars]
+            if MIXED not in ins and any(flags.get(v) == MIXED for v in eqn.outvars):
+                return self._why(eqn, ins)
+        return None  # pragma: no cover - a MIXED output has a first cause
+
+    def _why(self, eqn: Any, in_flags: list[int]) -> tuple[Any, str | None]:
+        """The equation that mixes examples in ``eqn`` (``eqn`` itself, or one
+        in its ``shard_map`` body), and why."""
+        sm = jx.shard_map_params(eqn)
+        if sm is not None:
+            return self._shard_map_why(eqn, sm, in_flags)
+        if self.manual and _collective(eqn) and _named_axes(eqn) & self.axes:
+            return eqn, (
+                "this collective runs along mesh axes that split the batch "
+                f"({sorted(_named_axes(eqn) & self.axes)}): it moves values "
+                "between devices that hold different examples"
+            )
+        return eqn, None
+
+    def _shard_map_why(self, eqn, sm, in_flags) -> tuple[Any, str | None]:
+        lead = [n for n, f in enumerate(in_flags) if f == LEADING]
+        split = {spec_entries(sm.in_specs[n], self.k) for n in lead}
+        if len(split) != 1:
+            return eqn, (
+                "the in_specs of this shard_map's batched inputs split the "
+                "batch's axes differently"
+            )
+        inner, entries = self._inside(sm, lead)
+        nb = len(sm.body.consts)
+        outs = inner.run(sm.body.jaxpr, [UNBATCHED] * nb + list(in_flags))[1]
+        for n, (f, spec) in enumerate(zip(outs, sm.out_specs)):
+            if f == LEADING and spec_entries(spec, self.k) != entries:
+                return eqn, (
+                    f"the out_specs of this shard_map's output {n} split the "
+                    "batch's axes otherwise than its batched inputs' in_specs"
+                )
+        mixed = [n for n, f in enumerate(outs) if f == MIXED]
+        found = inner.first_mixing(
+            sm.body.jaxpr, [UNBATCHED] * nb + list(in_flags), mixed
+        )
+        return (eqn, None) if found is None else found
+
+    def _inside(self, sm: Any, lead: list[int]) -> tuple[Tracker, tuple]:
+        """The tracker of ``sm``'s body, whose batched inputs are ``lead``
+        (split alike), and how their specs split the batch's axes."""
+        (entries,) = {spec_entries(sm.in_specs[n], self.k) for n in lead}
+        nb = len(sm.body.consts)
+        shape = tuple(jx.aval(sm.body.jaxpr.invars[nb + lead[0]]).shape[: self.k])
+        axes = self.axes | {a for e in entries for a in e}
+        return Tracker(shape, frozenset(axes), True), entries
 
     def eqn(self, eqn: Any, in_flags: list[int]) -> list[int]:
         n_out = len(eqn.outvars)
@@ -188,6 +299,8 @@ class Tracker:
         ) and all(_leading(jx.aval(v).shape, self.batch) for v in eqn.outvars)
         if not shapes_ok:
             return [MIXED] * n_out
+        if self.manual and _collective(eqn):
+            return [LEADING if self._keeps(eqn) else MIXED] * n_out
         keys = set(eqn.params) - _HARMLESS
         if not keys:  # no axes named: position to position
             same = all(
@@ -208,12 +321,44 @@ class Tracker:
                 return [MIXED] * len(eqn.outvars)
             outs = [self._body(b, in_flags[1:]) for b in branches]
             return [_join(f) for f in zip(*outs)]
+        sm = jx.shard_map_params(eqn)
+        if sm is not None:
+            return self._shard_map(sm, in_flags)
         body = jx.call_body(eqn)
-        if body is not None and jx.primitive_name(eqn) != "shard_map":
+        if body is not None:
             return self._body(body, in_flags)
-        if jx.primitive_name(eqn) in ("while", "shard_map"):
+        if jx.primitive_name(eqn) == "while":
             return [MIXED] * len(eqn.outvars)
         return None
+
+    def _shard_map(self, sm: Any, in_flags: list[int]) -> list[int]:
+        """Per device on blocks of the batch: each example stays put when every
+        batched input and output splits the batch's axes alike (its blocks are
+        the same examples on every device along the other mesh axes)."""
+        lead = [n for n, f in enumerate(in_flags) if f == LEADING]
+        if len({spec_entries(sm.in_specs[n], self.k) for n in lead}) != 1:
+            return [MIXED] * len(sm.out_specs)
+        inner, entries = self._inside(sm, lead)
+        outs = inner._body(sm.body, in_flags)
+        return [
+            MIXED if f == LEADING and spec_entries(spec, self.k) != entries else f
+            for f, spec in zip(outs, sm.out_specs)
+        ]
+
+    def _keeps(self, eqn: Any) -> bool:
+        """Whether a collective keeps each example in place: it runs along mesh
+        axes that do not split the batch (so the devices it connects hold the
+        same examples), and splits or concatenates no batch axis."""
+        p, k = eqn.params, self.k
+        if jx.primitive_name(eqn) == "pvary":  # the value unchanged
+            return True
+        if _named_axes(eqn) & self.axes:
+            return False
+        name = jx.primitive_name(eqn)
+        if name in _IN_PLACE:
+            return True
+        dims = [p[d] for d in _COLLECTIVE_DIMS.get(name, ()) if d in p]
+        return bool(dims) and all(int(d) >= k for d in dims)
 
     def _body(self, body: Any, in_flags: Sequence[int]) -> list[int]:
         n = len(body.consts)
