@@ -1,4 +1,4 @@
-"""Which values of a program keep its leading batch axes, example by example.
+"""Which values of a program keep the batch's axes, example by example.
 
 A per-example log-determinant sums each solved value's terms over all but its
 leading ``k`` axes, which is right only where element ``[b, ...]`` of that
@@ -8,6 +8,9 @@ forward, marking each variable
 * :data:`UNBATCHED`: it reads no batched value (weights, constants);
 * :data:`LEADING`: its leading ``k`` axes are the batch's, and each example's
   slice reads only that example;
+* ``LEADING + d``: the same with the batch's axes after ``d`` leading axes of
+  steps: the ``ys`` a ``scan`` stacks from per-example values (the decisions a
+  scanned flow stores, one per step and example);
 * :data:`MIXED`: anything else (a reduction over the batch axis, a reshape
   that merges it, a primitive this pass cannot read).
 
@@ -18,7 +21,12 @@ inputs to the same position of its outputs (elementwise and ``select_n``).
 A param this pass does not know makes the result :data:`MIXED`: the pass can
 refuse a per-example log-determinant, never give a wrong one. Nested calls,
 ``scan`` (the carry to a fixed point) and ``cond`` are read through their
-bodies.
+bodies. Only a ``scan`` moves the batch's axes from the front: it stacks its
+``ys`` on one more leading axis and slices its ``xs`` off one, so a
+``LEADING + d`` value reaches a step's body as ``LEADING + d - 1``; any other
+equation reading a stacked value is :data:`MIXED`. So every value that a step
+other than a scan solves leads with the batch's axes, as the terms' reduction
+assumes (a scan reduces its steps' terms in its body).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 
 from revnet._engine import jaxpr as jx
 
-UNBATCHED, LEADING, MIXED = 0, 1, 2
+UNBATCHED, LEADING, MIXED = 0, 1, -1
 
 # Params that say nothing about axes.
 _HARMLESS = frozenset(
@@ -93,7 +101,12 @@ def _collective(eqn: Any) -> bool:
 
 
 def _join(flags: Sequence[int]) -> int:
-    return max(flags, default=UNBATCHED)
+    """The flag of a value that reads values flagged ``flags``: batched ones
+    with their batch's axes in different places are :data:`MIXED`."""
+    batched = set(flags) - {UNBATCHED}
+    if not batched:
+        return UNBATCHED
+    return batched.pop() if len(batched) == 1 else MIXED
 
 
 def _leading(shape: Sequence[int], batch: tuple) -> bool:
@@ -286,12 +299,16 @@ class Tracker:
 
     def eqn(self, eqn: Any, in_flags: list[int]) -> list[int]:
         n_out = len(eqn.outvars)
-        worst = _join(in_flags)
-        if worst != LEADING:
-            return [worst] * n_out
+        joined = _join(in_flags)
+        if joined == UNBATCHED or MIXED in in_flags:
+            return [joined] * n_out
+        # A body slices and stacks its inputs itself (a scan's ``xs`` and
+        # constants need not agree): read it before joining the flags.
         nested = self._nested(eqn, in_flags)
         if nested is not None:
             return nested
+        if joined != LEADING:
+            return [MIXED] * n_out
         shapes_ok = all(
             _leading(jx.aval(a).shape, self.batch)
             for a, f in zip(eqn.invars, in_flags)
@@ -371,13 +388,24 @@ class Tracker:
             in_flags[nc : nc + ncar],
             in_flags[nc + ncar :],
         )
-        # The time axis leads a scanned input: a batched one is not per example.
-        xs = [MIXED if f == LEADING else f for f in xs]
-        for _ in range(ncar + 1):  # the carry's flags only rise
+        xs = [_sliced(f) for f in xs]
+        while True:  # the carry's flags only rise, in a lattice of height 2
             outs = self._body(sp.body, [*consts, *carry, *xs])
-            new = [max(a, b) for a, b in zip(carry, outs[:ncar])]
+            new = [_join((a, b)) for a, b in zip(carry, outs[:ncar])]
             if new == carry:
                 break
             carry = new
-        ys = [MIXED if f == LEADING else f for f in outs[ncar:]]
-        return [*carry, *ys]
+        return [*carry, *(_stacked(f) for f in outs[ncar:])]
+
+
+def _sliced(flag: int) -> int:
+    """A scanned input's flag in the body: one axis of steps fewer. Scanning
+    over the batch's own leading axis hands each step other examples."""
+    if flag in (UNBATCHED, MIXED):
+        return flag
+    return MIXED if flag == LEADING else flag - 1
+
+
+def _stacked(flag: int) -> int:
+    """A body output's flag once the scan stacks it over the steps."""
+    return flag if flag in (UNBATCHED, MIXED) else flag + 1

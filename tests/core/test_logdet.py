@@ -55,6 +55,24 @@ def _custom_jvp_exp():
     return f
 
 
+def _leaky_layers(ws, x):
+    """Couplings scanned over layers, each followed by a leaky ReLU on the
+    stream: a decision per layer, which the plan stores (a scan output of shape
+    ``[layers, batch, ...]``)."""
+
+    def layer(h, w):
+        h = coupling(w, h)
+        return jnp.where(h > 0, h, 0.5 * h), None
+
+    return lax.scan(layer, x, ws)[0]
+
+
+def _nested_leaky_layers(ws, x):
+    """:func:`_leaky_layers` in groups: decisions of shape ``[groups, layers,
+    batch, ...]``."""
+    return lax.scan(lambda h, w: (_leaky_layers(w, h), None), x, ws)[0]
+
+
 # name -> (function, known arguments, input). Every construct the rules solve.
 UNARY_DOMAINS = {
     "exp": (jnp.exp, None),
@@ -76,6 +94,7 @@ UNARY_DOMAINS = {
 
 def _cases():
     w2 = _w(2)
+    layers = jnp.stack([w2, -w2, 0.5 * w2])
     cases = {}
     for name, (fn, dom) in UNARY_DOMAINS.items():
         lo, hi = dom if dom else (None, None)
@@ -135,7 +154,7 @@ def _cases():
             "custom_jvp": (lambda x: _custom_jvp_exp()(x) * 2.0, (), _x()),
             "scan over layers": (
                 lambda ws, x: lax.scan(lambda h, w: (coupling(w, h), None), x, ws)[0],
-                (jnp.stack([w2, -w2, 0.5 * w2]),),
+                (layers,),
                 _x(),
             ),
             "scan with unknown xs": (
@@ -147,6 +166,12 @@ def _cases():
                 lambda w, x: lax.fori_loop(0, 3, lambda i, h: coupling(w, h), x),
                 (w2,),
                 _x(),
+            ),
+            "scan storing a decision": (_leaky_layers, (layers,), _x((5, 4))),
+            "nested scans storing decisions": (
+                _nested_leaky_layers,
+                (jnp.stack([layers, layers[::-1]]),),
+                _x((5, 4)),
             ),
         }
     )
@@ -330,6 +355,8 @@ def _channel_flow(k, x):
 PER_EXAMPLE = [
     "affine coupling",
     "scan over layers",
+    "scan storing a decision",
+    "nested scans storing decisions",
     "leaky select",
     "checkpoint",
     "dot with a known matrix",
