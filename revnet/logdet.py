@@ -34,6 +34,10 @@ from revnet.invertible import _check_args, _Invertible, exposed_plan, invertible
 
 __all__ = ["forward_and_log_det"]
 
+# How a caller of forward_and_log_det gets a log-determinant of a program
+# that mixes the batch's examples.
+_WHOLE_MAP = "pass batch_ndim=0 for one log-determinant of the whole map"
+
 
 def forward_and_log_det(
     fun: Callable[..., Any],
@@ -109,16 +113,41 @@ def forward_and_log_det(
             f"forward_and_log_det: batch_ndim must be a non-negative int, got "
             f"{batch_ndim!r}"
         )
-    options: Any = _Options()
     extra = known_args.argnums(known_argnums, "forward_and_log_det")
+    return derive(fun, args, extra, batch_ndim, _WHOLE_MAP)
+
+
+def derive(
+    fun: Callable[..., Any],
+    args: tuple,
+    known_argnums: tuple[int, ...],
+    batch_ndim: int,
+    advice: str,
+) -> tuple[Any, jax.Array]:
+    """:func:`forward_and_log_det`, its arguments checked, for callers with
+    their own words for what a user can change (a front door's method takes no
+    ``batch_ndim``).
+
+    Args:
+      fun: As for :func:`forward_and_log_det`.
+      args: Its arguments.
+      known_argnums: The positions of the known arguments, a tuple of ints.
+      batch_ndim: As for :func:`forward_and_log_det`, a non-negative int.
+      advice: What ends the refusal of a program that mixes the batch's
+        examples: how to change the call or the program.
+
+    Returns:
+      ``(outputs, log_det)``, as :func:`forward_and_log_det`.
+    """
+    options: Any = _Options()
     if isinstance(fun, _Invertible):
         options = fun
-        known = tuple(sorted({*fun.known_argnums, *extra}))
-        inner = _WithLogDet(fun.fun, known, options, batch_ndim)
+        known = tuple(sorted({*fun.known_argnums, *known_argnums}))
+        inner = _WithLogDet(fun.fun, known, options, batch_ndim, advice)
         return invertible(
             inner, known_argnums=known, decisions=fun.decisions, kinks=fun.kinks
         )(*args)
-    return _WithLogDet(fun, extra, options, batch_ndim)(*args)
+    return _WithLogDet(fun, known_argnums, options, batch_ndim, advice)(*args)
 
 
 class _Options:
@@ -130,10 +159,15 @@ class _WithLogDet:
     terms of its inversion plan."""
 
     def __init__(
-        self, fun: Callable[..., Any], known: tuple, options: Any, batch_ndim: int
+        self,
+        fun: Callable[..., Any],
+        known: tuple,
+        options: Any,
+        batch_ndim: int,
+        advice: str,
     ):
         self.fun, self.known, self.options = fun, known, options
-        self.batch_ndim = batch_ndim
+        self.batch_ndim, self.advice = batch_ndim, advice
         self.__name__ = getattr(fun, "__name__", "function")
 
     def __call__(self, *args: Any) -> tuple[Any, jax.Array]:
@@ -171,7 +205,14 @@ class _WithLogDet:
 
         zero = log_det.zero(flat_args, batch or (), dtype)
         outs, total = log_det.evaluate(
-            plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch, n_out
+            plan,
+            exposed.jaxpr,
+            [*consts, *flat_args],
+            reduce,
+            zero,
+            batch,
+            n_out,
+            self.advice,
         )
         return jax.tree_util.tree_unflatten(out_tree, outs[:n_out]), total
 

@@ -320,6 +320,7 @@ def evaluate(
     zero: Any,
     batch: tuple | None = None,
     n_out: int | None = None,
+    advice: str = "",
 ) -> tuple[list, Any]:
     """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
     outputs and the log-determinant of the map from ``plan``'s unknown inputs
@@ -328,7 +329,8 @@ def evaluate(
     With ``batch`` (the batch's shape), the unknown inputs lead with the
     batch's axes and the log-determinant is one per example; the first
     ``n_out`` outputs (all by default) must each depend on their own example
-    only.
+    only, or the program is refused, the message ending with ``advice`` (what
+    the caller can change, in the words of its own arguments).
 
     Raises:
       LogDetError: for a step whose term revnet cannot derive, naming its
@@ -337,11 +339,13 @@ def evaluate(
     if batch is not None:
         n_out = len(jaxpr.outvars) if n_out is None else n_out
         in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
-        _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out)
+        _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out, advice)
     return Evaluation(plan, jaxpr, reducer, zero).run(args)
 
 
-def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
+def _check_per_example(
+    tracker: Tracker, jaxpr: Any, in_flags, n_out: int, advice: str
+) -> None:
     """Refuses a program whose first ``n_out`` outputs are not each a function
     of their own example: its Jacobian is not block diagonal by example. Names
     the first equation that mixes examples on the way to such an output (inside
@@ -359,5 +363,5 @@ def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> No
             or "this equation mixes the batch's examples (or moves their axis "
             "from the front)"
         )
-        + "; pass batch_ndim=0 for one log-determinant of the whole map",
+        + (f"; {advice}" if advice else ""),
     )
