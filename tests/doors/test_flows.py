@@ -42,17 +42,21 @@ def door(request):
 
 
 @functools.cache
-def _flow(name, dtype, reversible, depth, actnorm_only):
+def _flow(name, dtype, reversible, depth, actnorm_only, leaky):
     return load(name).build_flow(
-        depth, dtype=dtype, reversible=reversible, actnorm_only=actnorm_only
+        depth,
+        dtype=dtype,
+        reversible=reversible,
+        actnorm_only=actnorm_only,
+        leaky=leaky,
     )
 
 
-def flow(name, dtype, reversible=True, depth=3, actnorm_only=False):
+def flow(name, dtype, reversible=True, depth=3, actnorm_only=False, leaky=False):
     """The door's flow (built once); a float64 one is built and must be run
     under ``jax.enable_x64``."""
     with x64(dtype):
-        return _flow(name, dtype, reversible, depth, actnorm_only)
+        return _flow(name, dtype, reversible, depth, actnorm_only, leaky)
 
 
 def x64(dtype):
@@ -70,11 +74,16 @@ def nll(forward):
     return loss
 
 
-def test_log_det_equals_slogdet_of_the_jacobian(door):
+@pytest.mark.parametrize(
+    "leaky", [pytest.param(False, id="glow"), pytest.param(True, id="leaky")]
+)
+def test_log_det_equals_slogdet_of_the_jacobian(door, leaky):
+    """``leaky``: each step ends with a leaky ReLU, a decision the plan stores
+    per layer, which the per-example proof reads through the scan."""
     with jax.enable_x64(True):
-        f = flow(door, jnp.float64, True)
+        f = flow(door, jnp.float64, True, leaky=leaky)
         _, log_det = jax.jit(f.forward)(f.params, f.x)
-        plain = flow(door, jnp.float64, False)
+        plain = flow(door, jnp.float64, False, leaky=leaky)
         # The reference differentiates the twin in reverse mode: the 1x1
         # convolution is a custom_ivjp function, which has no forward mode.
         ref = per_example_slogdet(
