@@ -23,8 +23,9 @@ refuse a per-example log-determinant, never give a wrong one. Nested calls,
 ``scan`` (the carry to a fixed point) and ``cond`` are read through their
 bodies. Only a ``scan`` moves the batch's axes from the front: it stacks its
 ``ys`` on one more leading axis and slices its ``xs`` off one, so a
-``LEADING + d`` value reaches a step's body as ``LEADING + d - 1``; any other
-equation reading a stacked value is :data:`MIXED`. So every value that a step
+``LEADING + d`` value reaches a step's body as ``LEADING + d - 1``. A call
+hands stacked values to its body; any other equation reading one (a
+``shard_map`` too) is :data:`MIXED`. So every value that a step
 other than a scan solves leads with the batch's axes, as the terms' reduction
 assumes (a scan reduces its steps' terms in its body).
 """
@@ -257,6 +258,11 @@ class Tracker:
         sm = jx.shard_map_params(eqn)
         if sm is not None:
             return self._shard_map_why(eqn, sm, in_flags)
+        if _any_stacked(in_flags) and not _reads_through(eqn):
+            return eqn, (
+                "this equation reads a scan's outputs stacked over its steps, "
+                "which revnet follows example by example only into another scan"
+            )
         if self.manual and _collective(eqn) and _named_axes(eqn) & self.axes:
             return eqn, (
                 "this collective runs along mesh axes that split the batch "
@@ -266,6 +272,8 @@ class Tracker:
         return eqn, None
 
     def _shard_map_why(self, eqn, sm, in_flags) -> tuple[Any, str | None]:
+        if _any_stacked(in_flags):
+            return eqn, "this shard_map reads a scan's outputs stacked over its steps"
         lead = [n for n, f in enumerate(in_flags) if f == LEADING]
         split = {spec_entries(sm.in_specs[n], self.k) for n in lead}
         if len(split) != 1:
@@ -281,6 +289,10 @@ class Tracker:
                 return eqn, (
                     f"the out_specs of this shard_map's output {n} split the "
                     "batch's axes otherwise than its batched inputs' in_specs"
+                )
+            if _any_stacked([f]):
+                return eqn, (
+                    f"this shard_map's output {n} is a scan's, stacked over its steps"
                 )
         mixed = [n for n, f in enumerate(outs) if f == MIXED]
         found = inner.first_mixing(
@@ -351,14 +363,21 @@ class Tracker:
     def _shard_map(self, sm: Any, in_flags: list[int]) -> list[int]:
         """Per device on blocks of the batch: each example stays put when every
         batched input and output splits the batch's axes alike (its blocks are
-        the same examples on every device along the other mesh axes)."""
+        the same examples on every device along the other mesh axes). Values
+        stacked over a scan's steps, in or out, are not read (:data:`MIXED`):
+        the specs would have to be read past the steps axes."""
         lead = [n for n, f in enumerate(in_flags) if f == LEADING]
-        if len({spec_entries(sm.in_specs[n], self.k) for n in lead}) != 1:
+        if _any_stacked(in_flags) or (
+            len({spec_entries(sm.in_specs[n], self.k) for n in lead}) != 1
+        ):
             return [MIXED] * len(sm.out_specs)
         inner, entries = self._inside(sm, lead)
         outs = inner._body(sm.body, in_flags)
         return [
-            MIXED if f == LEADING and spec_entries(spec, self.k) != entries else f
+            MIXED
+            if _any_stacked([f])
+            or (f == LEADING and spec_entries(spec, self.k) != entries)
+            else f
             for f, spec in zip(outs, sm.out_specs)
         ]
 
@@ -396,6 +415,21 @@ class Tracker:
                 break
             carry = new
         return [*carry, *(_stacked(f) for f in outs[ncar:])]
+
+
+def _reads_through(eqn: Any) -> bool:
+    """Whether this pass reads ``eqn`` through its body (a scan, a cond, a
+    call), where the equation that mixes examples may lie."""
+    return (
+        jx.scan_params(eqn) is not None
+        or jx.cond_branches(eqn) is not None
+        or jx.call_body(eqn) is not None
+    )
+
+
+def _any_stacked(flags: Sequence[int]) -> bool:
+    """Whether a flag says batch axes behind a scan's axis of steps."""
+    return any(f not in (UNBATCHED, LEADING, MIXED) for f in flags)
 
 
 def _sliced(flag: int) -> int:

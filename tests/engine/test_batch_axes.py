@@ -77,3 +77,13 @@ def test_the_ys_are_read_at_the_carrys_fixed_point():
 def test_an_equation_without_inputs_is_unbatched():
     f = lambda x: x * lax.iota(x.dtype, 4)  # noqa: E731
     assert out_flags(f, X) == [LEADING]
+
+
+def test_the_first_equation_on_a_stacked_value_is_named_with_why():
+    def f(x, ws):
+        return lax.scan(lambda h, w: (h, h * w), x, ws)[1] * 2.0
+
+    jaxpr = jax.make_jaxpr(f)(X, WS).jaxpr
+    eqn, why = Tracker((3,)).first_mixing(jaxpr, [LEADING, UNBATCHED], [0])
+    assert eqn.primitive.name == "mul", eqn
+    assert "a scan's outputs stacked over its steps" in why, why
