@@ -241,7 +241,24 @@ def _check_eqx(ns, out):
     assert float(ns["value"]) > 0
 
 
+def _check_readme_flow(ns, out):
+    # The per-example log-det is the Jacobian's; the gradient is plain JAX's.
+    ws, x, plain = ns["ws"], ns["x"], ns["flow"].__wrapped__
+    log_det = plain(ws, x)[1]
+    assert_trees_close(ns["flow"](ws, x)[1], log_det, F32, "log_det")
+    for i in (0, 5):
+        jac = jax.jacfwd(lambda v, i=i: plain(ws, x.at[i].set(v))[0][i])(x[i])
+        assert_trees_close(log_det[i], jnp.linalg.slogdet(jac)[1], F32, "slogdet")
+
+    def nll(ws):
+        z, ld = plain(ws, x)
+        return -jnp.mean(jax.scipy.stats.norm.logpdf(z).sum(-1) + ld)
+
+    assert_trees_close(ns["grads"], jax.grad(nll)(ws), F32, "gradient")
+
+
 CHECKS = {
+    "the per-example log-det rides in the carry": _check_readme_flow,
     "x1, x2 = revnet.inverse(net, x, x)(net(x, x))": _check_quick_start,
     "@revnet.custom_ivjp": _check_custom_ivjp,
     "revnet.set_runtime_checks(True)": _check_runtime_checks,
