@@ -351,6 +351,7 @@ def markdown(results: dict, out: str) -> str:
     from benchmarks import measure
 
     del out
+    tiny = results["size"] == "tiny"
     lines = [
         "## At a fixed memory budget",
         "",
@@ -359,6 +360,8 @@ def markdown(results: dict, out: str) -> str:
         f"one fresh process per comparison, environment "
         f"`{results['timing_env'] or 'default'}`.",
     ]
+    if tiny:
+        lines += ["", "Tiny run: single timings of toy steps are left out."]
     for res in results["models"]:
         base = baseline(res["model"])
         lines += [
@@ -377,15 +380,8 @@ def markdown(results: dict, out: str) -> str:
                     if "median_s" in eq and "median_s" in eq_base
                     else None
                 )
-                rows.append(
-                    [
-                        m,
-                        fit["batch"],
-                        _per_s(own, fit["batch"]),
-                        eq.get("median_s"),
-                        ratio,
-                    ]
-                )
+                timings = [_per_s(own, fit["batch"]), eq.get("median_s"), ratio]
+                rows.append([m, fit["batch"], *([None] * 3 if tiny else timings)])
             lines += [
                 "",
                 f"Budget {b['budget_mib']} MiB; equal batch "
