@@ -28,6 +28,7 @@ the default allocator, under XLA's default CPU fusions and with its YNN
 fusions off (:data:`NO_YNN`). ``--device gpu`` measures on the GPU.
 
     python -m benchmarks.budget [--quick | --tiny] [--out results] [--device gpu]
+        [--models transformer,mlp,conv]
 """
 
 from __future__ import annotations
@@ -316,12 +317,25 @@ def measure_model(model: str, size: str, device: str) -> dict[str, Any]:
     return result
 
 
+def _models(text: str) -> list[str]:
+    import argparse
+
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(SIZES["full"]["models"]))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Measures every model; writes ``<out>/budget.json``."""
     from benchmarks import measure
 
     def add(parser):
         parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+        parser.add_argument(
+            "--models", type=_models, default=None, help="a,b of transformer,mlp,conv"
+        )
 
     args = measure.parse(__doc__, argv, add)
     results = {
@@ -331,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "timing_env": PINNED if args.device == "cpu" else {},
         "no_ynn_env": NO_YNN,
         "models": [
-            measure_model(m, args.size, args.device) for m in SIZES[args.size]["models"]
+            measure_model(m, args.size, args.device)
+            for m in args.models or SIZES[args.size]["models"]
         ],
     }
     return measure.write_json(args.out, NAME, results)
