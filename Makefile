@@ -44,9 +44,11 @@ test-all: $(STAMP_TEST) $(STAMP_EXP) chromium
 	$(PY) -m pytest -n 2 -q tests
 
 # The documentation site, in strict mode: a broken link, a missing page or a
-# public name on no API page fails (docs/hooks/). Open site/index.html.
+# public name on no API page fails (docs/hooks/). Open site/index.html. No -q:
+# mkdocs 1.6's -q lowers its logger to ERROR, so warnings would never reach
+# --strict and the build would pass with them (tests/project/test_docs_site.py).
 docs: $(STAMP_EXP)
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The core, loops and blocks suites under JAX's opt-in "next primitive" flags,
 # which reroute jax.custom_vjp, jax.checkpoint and lax.scan to JAX's hijax
@@ -90,11 +92,14 @@ demo: $(STAMP_EXP)
 	$(PY) -m benchmarks.demo --out results
 
 # Every benchmark of benchmarks/__init__.py at its --quick size, each in its own
-# process, into results/full/REPORT.md: about 23 min on 2 cores (last measured
-# as `make demo` before the demo was split off; 22 min 43 s from a fresh clone).
-# On 2 cores shared with other jobs (load 5 to 9) it takes far longer: memory
-# 9.3 min, speed 9.8, train 1.0, numerics 2.7, and loops was stopped unfinished
-# after 26 min (49 min in all by then).
+# process, into results/full/REPORT.md. Not timed with all 11: the 9 there were
+# before benchmarks.exact and benchmarks.flows were added (memory, speed,
+# train, numerics, loops, overhead, decisions, sharding, front_doors) took
+# 22 min 43 s on 2 cores from a fresh clone, install included (then `make
+# demo`); exact and flows run on top of that. On 2 cores shared with other
+# jobs (load 5 to 9) those 9 took far longer: memory 9.3 min, speed 9.8, train
+# 1.0, numerics 2.7, and loops was stopped unfinished after 26 min (49 min in
+# all by then).
 demo-full: $(STAMP_EXP)
 	$(PY) -m benchmarks.run --quick --out results/full
 

@@ -7,7 +7,8 @@ known: ordered that way the Jacobian is block triangular, and ``log|det J|``
 is the sum of each solved equation's local term (``log|f'(x)|`` for an
 elementwise bijection, ``log|k|`` for a known factor, ``slogdet(W)`` per row
 for a known square matrix, zero for additions of known values and layout ops,
-the sum over steps for a ``scan``, the picked case's term for ``jnp.where``).
+the sum over steps for a ``scan``, the picked case's term for ``jnp.where``,
+the devices' terms for a ``shard_map``, each distinct block once).
 The terms are computed from the forward values in stable forms
 (``log(1 - tanh(x)**2)`` as ``2 (log 2 - x - softplus(-2x))``), so the
 result is plain JAX: it differentiates, jits and vmaps like the function.
@@ -32,6 +33,10 @@ from revnet._engine import known_args, log_det, trace_program
 from revnet.invertible import _check_args, _Invertible, exposed_plan, invertible
 
 __all__ = ["forward_and_log_det"]
+
+# How a caller of forward_and_log_det gets a log-determinant of a program
+# that mixes the batch's examples.
+_WHOLE_MAP = "pass batch_ndim=0 for one log-determinant of the whole map"
 
 
 def forward_and_log_det(
@@ -90,9 +95,11 @@ def forward_and_log_det(
 
     Raises:
       NotInvertibleError: if ``fun`` cannot be inverted, or a step has no
-        log-determinant revnet can derive (a ``custom_ivjp`` function, a
-        ``shard_map``, an inverse rule registered without ``log_det``): the
-        message names the equation and its source line.
+        log-determinant revnet can derive (a ``custom_ivjp`` function without
+        ``deflogdet``, an ``all_gather``, a ``shard_map`` with
+        ``check_vma=False`` whose values may be replicated, an inverse rule
+        registered without ``log_det``): the message names the equation and
+        its source line.
       ValueError: if the map is not square, a rebuilt input or an output is
         not floating, or the rebuilt arguments do not share ``batch_ndim``
         leading axes.
@@ -106,16 +113,41 @@ def forward_and_log_det(
             f"forward_and_log_det: batch_ndim must be a non-negative int, got "
             f"{batch_ndim!r}"
         )
-    options: Any = _Options()
     extra = known_args.argnums(known_argnums, "forward_and_log_det")
+    return derive(fun, args, extra, batch_ndim, _WHOLE_MAP)
+
+
+def derive(
+    fun: Callable[..., Any],
+    args: tuple,
+    known_argnums: tuple[int, ...],
+    batch_ndim: int,
+    advice: str,
+) -> tuple[Any, jax.Array]:
+    """:func:`forward_and_log_det`, its arguments checked, for callers with
+    their own words for what a user can change (a front door's method takes no
+    ``batch_ndim``).
+
+    Args:
+      fun: As for :func:`forward_and_log_det`.
+      args: Its arguments.
+      known_argnums: The positions of the known arguments, a tuple of ints.
+      batch_ndim: As for :func:`forward_and_log_det`, a non-negative int.
+      advice: What ends the refusal of a program that mixes the batch's
+        examples: how to change the call or the program.
+
+    Returns:
+      ``(outputs, log_det)``, as :func:`forward_and_log_det`.
+    """
+    options: Any = _Options()
     if isinstance(fun, _Invertible):
         options = fun
-        known = tuple(sorted({*fun.known_argnums, *extra}))
-        inner = _WithLogDet(fun.fun, known, options, batch_ndim)
+        known = tuple(sorted({*fun.known_argnums, *known_argnums}))
+        inner = _WithLogDet(fun.fun, known, options, batch_ndim, advice)
         return invertible(
             inner, known_argnums=known, decisions=fun.decisions, kinks=fun.kinks
         )(*args)
-    return _WithLogDet(fun, extra, options, batch_ndim)(*args)
+    return _WithLogDet(fun, known_argnums, options, batch_ndim, advice)(*args)
 
 
 class _Options:
@@ -127,10 +159,15 @@ class _WithLogDet:
     terms of its inversion plan."""
 
     def __init__(
-        self, fun: Callable[..., Any], known: tuple, options: Any, batch_ndim: int
+        self,
+        fun: Callable[..., Any],
+        known: tuple,
+        options: Any,
+        batch_ndim: int,
+        advice: str,
     ):
         self.fun, self.known, self.options = fun, known, options
-        self.batch_ndim = batch_ndim
+        self.batch_ndim, self.advice = batch_ndim, advice
         self.__name__ = getattr(fun, "__name__", "function")
 
     def __call__(self, *args: Any) -> tuple[Any, jax.Array]:
@@ -154,7 +191,8 @@ class _WithLogDet:
         n_out = len(jaxpr.outvars)
         dtype = _check_square(flat_args, jaxpr.outvars[:n_out], fname)
 
-        def reduce(term, aval, eqn):
+        def reduce(term, aval, eqn, shape):
+            # ``shape``: the batch's (a shard_map body's blocks of it), or ().
             if jnp.ndim(term) != len(aval.shape):
                 raise log_det.refusal(
                     eqn,
@@ -162,13 +200,19 @@ class _WithLogDet:
                     f"input of rank {len(aval.shape)}",
                 )
             term = jnp.asarray(term).astype(dtype)
-            if batch is None:
-                return jnp.sum(term)
-            return jnp.broadcast_to(jnp.sum(term, tuple(range(k, term.ndim))), batch)
+            summed = jnp.sum(term, tuple(range(len(shape), term.ndim)))
+            return jnp.broadcast_to(summed, shape)
 
-        zero = jnp.zeros(batch or (), dtype)
+        zero = log_det.zero(flat_args, batch or (), dtype)
         outs, total = log_det.evaluate(
-            plan, exposed.jaxpr, [*consts, *flat_args], reduce, zero, batch, n_out
+            plan,
+            exposed.jaxpr,
+            [*consts, *flat_args],
+            reduce,
+            zero,
+            batch,
+            n_out,
+            self.advice,
         )
         return jax.tree_util.tree_unflatten(out_tree, outs[:n_out]), total
 

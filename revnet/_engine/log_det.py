@@ -12,8 +12,12 @@ for a bijection, ``log|k|`` for a known factor, ``slogdet`` of a known matrix
 per row, zero for sums of known values and layout ops) and from the steps of
 the structural rules, which register a :class:`TermRule` here: a nested call
 sums its body's terms, a ``scan`` the terms of its steps, a ``select_n`` the
-picked case's. A step type without one (``shard_map``, a ``custom_ivjp``
-function) is refused.
+picked case's, a ``custom_ivjp`` function its own (``deflogdet``), and a
+``shard_map`` its devices' terms with each distinct block counted once: a term
+is summed (``psum``) over the manual mesh axes along which the value it
+solves varies, so a value replicated along an axis counts once
+(:mod:`revnet._engine.structural.shard_map`). A step type without one is
+refused.
 
 :func:`evaluate` runs a program forward and adds up the terms of the steps the
 inverse would take, from the forward values: the result is plain JAX, so it
@@ -27,9 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from revnet._engine import jaxpr as jx
-from revnet._engine import registry
-from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
+from revnet._engine import registry, sharding
+from revnet._engine.batch_axes import LEADING, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
@@ -167,21 +176,59 @@ class Evaluation:
     """One forward evaluation of a jaxpr with its log-determinant.
 
     Attributes:
-      reduce: ``reduce(term, aval, eqn)`` sums a term (an array of the solved
-        input's rank, see :mod:`revnet._engine.registry`) to the
-        log-determinant's shape: a scalar, or one value per example (the
+      reducer: ``reducer(term, aval, eqn, shape)`` sums a term (an array of the
+        solved input's rank, see :mod:`revnet._engine.registry`) to the
+        log-determinant's ``shape``: a scalar, or one value per example (the
         program was proved per example before: :func:`evaluate`).
-      zero: the log-determinant's zero.
+      zero: the log-determinant's zero, of the shape terms reduce to.
+      share: None, or inside a ``shard_map`` body ``share(term, avals, eqn)``:
+        a reduced term of solved values of types ``avals`` made the sum of its
+        distinct copies over the devices
+        (:mod:`revnet._engine.structural.shard_map`).
     """
 
-    def __init__(self, plan: Plan, jaxpr: Any, reduce: Callable, zero: Any):
+    def __init__(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        reducer: Callable,
+        zero: Any,
+        share: Callable | None = None,
+    ):
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
-        self.reduce, self.zero = reduce, zero
+        self.reducer, self.zero, self.share = reducer, zero, share
         self.env: dict = {}
 
-    def nested(self, plan: Plan, jaxpr: Any, args: Sequence[Any]) -> tuple[list, Any]:
-        """:func:`evaluate` for a nested body, with this evaluation's reduction."""
-        return Evaluation(plan, jaxpr, self.reduce, self.zero).run(args)
+    def reduce(self, term: Any, aval: Any, eqn: Any) -> Any:
+        """``term``, of a solved value of type ``aval``, summed to the
+        log-determinant's shape (and shared, inside a ``shard_map`` body)."""
+        term = self.reducer(term, aval, eqn, tuple(self.zero.shape))
+        return self.shared(self.like_zero(term), [aval], eqn)
+
+    def like_zero(self, term: Any) -> Any:
+        """A reduced term with the log-determinant's Explicit sharding, so that
+        a sum carried through a loop keeps its type."""
+        return sharding.explicit_like(term, jax.typeof(self.zero))
+
+    def shared(self, term: Any, avals: Sequence[Any], eqn: Any) -> Any:
+        """A reduced term of solved values of types ``avals`` through
+        :attr:`share`; unchanged outside a ``shard_map`` body."""
+        return term if self.share is None else self.share(term, avals, eqn)
+
+    def nested(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        args: Sequence[Any],
+        zero: Any = None,
+        share: Callable | None = None,
+    ) -> tuple[list, Any]:
+        """:func:`evaluate` for a nested body, with this evaluation's reduction,
+        zero and share, or the ``zero`` and ``share`` given (a ``shard_map``
+        body's, per device)."""
+        zero = self.zero if zero is None else zero
+        share = self.share if share is None else share
+        return Evaluation(plan, jaxpr, self.reducer, zero, share).run(args)
 
     def rule_term(self, name: str, i: int, n: int) -> Any:
         """The term of the rule ``name`` for input ``n`` of equation ``i``, at
@@ -248,23 +295,42 @@ class Evaluation:
         return outs, self.zero if total is None else total
 
 
+def zero(args: Sequence[Any], shape: tuple, dtype: Any) -> Any:
+    """The log-determinant's zero, of ``shape`` (the batch's, or ``()``).
+
+    On the Explicit mesh of the rebuilt arguments ``args``, it is split as the
+    first one splits the batch's axes (replicated for a scalar): the type the
+    terms have, so that a sum carried through a loop keeps its type.
+    """
+    z = jnp.zeros(shape, dtype)
+    for a in args:
+        t = jax.typeof(a)
+        spec = sharding.explicit_spec(t, len(t.shape))
+        if spec is not None:
+            split = NamedSharding(t.sharding.mesh, P(*spec[: len(shape)]))
+            return jax.sharding.reshard(z, split)
+    return z
+
+
 def evaluate(
     plan: Plan,
     jaxpr: Any,
     args: Sequence[Any],
-    reduce: Callable,
+    reducer: Callable,
     zero: Any,
     batch: tuple | None = None,
     n_out: int | None = None,
+    advice: str = "",
 ) -> tuple[list, Any]:
     """Runs ``jaxpr`` on ``args`` (every input, known or not) and returns its
     outputs and the log-determinant of the map from ``plan``'s unknown inputs
-    to its outputs (see :class:`Evaluation` for ``reduce`` and ``zero``).
+    to its outputs (see :class:`Evaluation` for ``reducer`` and ``zero``).
 
     With ``batch`` (the batch's shape), the unknown inputs lead with the
     batch's axes and the log-determinant is one per example; the first
     ``n_out`` outputs (all by default) must each depend on their own example
-    only.
+    only, or the program is refused, the message ending with ``advice`` (what
+    the caller can change, in the words of its own arguments).
 
     Raises:
       LogDetError: for a step whose term revnet cannot derive, naming its
@@ -273,31 +339,29 @@ def evaluate(
     if batch is not None:
         n_out = len(jaxpr.outvars) if n_out is None else n_out
         in_flags = [LEADING if not k else UNBATCHED for k in plan.known_in]
-        _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out)
-    return Evaluation(plan, jaxpr, reduce, zero).run(args)
+        _check_per_example(Tracker(tuple(batch)), jaxpr, in_flags, n_out, advice)
+    return Evaluation(plan, jaxpr, reducer, zero).run(args)
 
 
-def _check_per_example(tracker: Tracker, jaxpr: Any, in_flags, n_out: int) -> None:
+def _check_per_example(
+    tracker: Tracker, jaxpr: Any, in_flags, n_out: int, advice: str
+) -> None:
     """Refuses a program whose first ``n_out`` outputs are not each a function
     of their own example: its Jacobian is not block diagonal by example. Names
-    the first equation that mixes examples on the way to such an output."""
-    flags, outs = tracker.run(jaxpr, in_flags)
-    bad = [v for v, f in zip(jaxpr.outvars[:n_out], outs) if f == MIXED]
-    if not bad:
+    the first equation that mixes examples on the way to such an output (inside
+    a ``shard_map``'s body, the body's)."""
+    found = tracker.first_mixing(jaxpr, in_flags, range(n_out))
+    if found is None:
         return
-    reach = {v for v in bad if not jx.is_literal(v)}
-    for eqn in reversed(jaxpr.eqns):  # the equations leading to them
-        if any(v in reach for v in eqn.outvars):
-            reach.update(v for v in eqn.invars if not jx.is_literal(v))
-    for eqn in jaxpr.eqns:
-        if not any(v in reach for v in eqn.outvars):
-            continue
-        ins = [UNBATCHED if jx.is_literal(v) else flags[v] for v in eqn.invars]
-        if MIXED not in ins and any(flags.get(v) == MIXED for v in eqn.outvars):
-            raise refusal(
-                eqn,
-                "a per-example log-determinant needs each example's outputs to "
-                "depend on that example alone, and this equation mixes the "
-                "batch's examples (or moves their axis from the front); pass "
-                "batch_ndim=0 for one log-determinant of the whole map",
-            )
+    eqn, reason = found
+    raise refusal(
+        eqn,
+        "a per-example log-determinant needs each example's outputs to depend "
+        "on that example alone, and "
+        + (
+            reason
+            or "this equation mixes the batch's examples (or moves their axis "
+            "from the front)"
+        )
+        + (f"; {advice}" if advice else ""),
+    )

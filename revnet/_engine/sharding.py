@@ -80,6 +80,15 @@ def cast_like(x: Any, a: Any) -> Any:
     return x
 
 
+def explicit_like(x: Any, a: Any) -> Any:
+    """``x`` with the Explicit sharding of type ``a`` (a ``reshard`` where they
+    differ); its varying axes untouched, and unchanged where ``a`` has none."""
+    spec = explicit_spec(a, len(a.shape))
+    if spec is None or explicit_spec(jax.typeof(x), len(a.shape)) == spec:
+        return x
+    return jax.sharding.reshard(x, a.sharding)
+
+
 def _mesh(a: Any) -> Any:
     """The abstract mesh of type ``a``'s sharding, or None (no mesh)."""
     mesh = getattr(getattr(a, "sharding", None), "mesh", None)

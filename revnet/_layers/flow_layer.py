@@ -12,8 +12,9 @@ from typing import Any
 
 import jax
 
-import revnet
 from revnet._layers.couplings import invert
+from revnet._layers.stack import PER_EXAMPLE
+from revnet.logdet import derive
 
 
 class FlowMethods:
@@ -29,7 +30,7 @@ class FlowMethods:
     def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Applies the layer; returns ``(y, log_det)``, ``log_det`` of shape
         ``[batch]`` derived from the program."""
-        return revnet.forward_and_log_det(self._forward(x), x, batch_ndim=1)
+        return derive(self._forward(x), (x,), (), 1, PER_EXAMPLE)
 
     def inverse(self, y: jax.Array) -> jax.Array:
         """Rebuilds the input from the output ``y``."""

@@ -42,6 +42,12 @@ import revnet
 from revnet._layers.couplings import invert
 from revnet._layers.options import DEFAULTS, StackOptions
 from revnet._layers.sharding import sharded_layer
+from revnet.logdet import derive
+
+# A front door's log-determinant is one per example, and its method takes no
+# ``batch_ndim``: the refusal of a program that mixes examples says what to
+# change instead.
+PER_EXAMPLE = "a flow's blocks must map each example on its own"
 
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 """``layer(params, state, key, h) -> (y, new_state)``, pure."""
@@ -253,9 +259,7 @@ def run_stack_with_log_det(
         return y
 
     outputs.__name__ = name
-    return revnet.forward_and_log_det(
-        _reversible(outputs, options), h, batch_ndim=batch_ndim
-    )
+    return derive(_reversible(outputs, options), (h,), (), batch_ndim, PER_EXAMPLE)
 
 
 def invert_stack(

@@ -2,6 +2,8 @@
 checked against ``slogdet(jax.jacfwd(flattened map))`` in float64 on CPU."""
 
 import doctest
+import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,10 @@ import revnet
 from revnet._engine import registry
 from tests.helpers import (
     compiled,
+    equations,
     flop_count,
     per_example_slogdet,
+    runtime_checks,
     slogdet_reference,
     temp_size,
 )
@@ -55,6 +59,24 @@ def _custom_jvp_exp():
     return f
 
 
+def _leaky_layers(ws, x):
+    """Couplings scanned over layers, each followed by a leaky ReLU on the
+    stream: a decision per layer, which the plan stores (a scan output of shape
+    ``[layers, batch, ...]``)."""
+
+    def layer(h, w):
+        h = coupling(w, h)
+        return jnp.where(h > 0, h, 0.5 * h), None
+
+    return lax.scan(layer, x, ws)[0]
+
+
+def _nested_leaky_layers(ws, x):
+    """:func:`_leaky_layers` in groups: decisions of shape ``[groups, layers,
+    batch, ...]``."""
+    return lax.scan(lambda h, w: (_leaky_layers(w, h), None), x, ws)[0]
+
+
 # name -> (function, known arguments, input). Every construct the rules solve.
 UNARY_DOMAINS = {
     "exp": (jnp.exp, None),
@@ -76,6 +98,7 @@ UNARY_DOMAINS = {
 
 def _cases():
     w2 = _w(2)
+    layers = jnp.stack([w2, -w2, 0.5 * w2])
     cases = {}
     for name, (fn, dom) in UNARY_DOMAINS.items():
         lo, hi = dom if dom else (None, None)
@@ -131,11 +154,16 @@ def _cases():
                 _x(),
             ),
             "jax.nn.leaky_relu": (lambda x: jax.nn.leaky_relu(x, 0.2), (), _x()),
+            "select by a known predicate": (
+                lambda k, x: jnp.where(k > 0, jnp.exp(x), -3.0 * x),
+                (_x((4,), 5),),
+                _x(),
+            ),
             "checkpoint": (jax.checkpoint(coupling), (w2,), _x()),
             "custom_jvp": (lambda x: _custom_jvp_exp()(x) * 2.0, (), _x()),
             "scan over layers": (
                 lambda ws, x: lax.scan(lambda h, w: (coupling(w, h), None), x, ws)[0],
-                (jnp.stack([w2, -w2, 0.5 * w2]),),
+                (layers,),
                 _x(),
             ),
             "scan with unknown xs": (
@@ -147,6 +175,12 @@ def _cases():
                 lambda w, x: lax.fori_loop(0, 3, lambda i, h: coupling(w, h), x),
                 (w2,),
                 _x(),
+            ),
+            "scan storing a decision": (_leaky_layers, (layers,), _x((5, 4))),
+            "nested scans storing decisions": (
+                _nested_leaky_layers,
+                (jnp.stack([layers, layers[::-1]]),),
+                _x((5, 4)),
             ),
         }
     )
@@ -186,29 +220,64 @@ def test_every_rule_declares_its_log_det():
     assert none == ["all_gather"]
 
 
-def test_the_inverse_has_the_negative_log_det():
+# The cases whose inverse program revnet does not invert again (or does not
+# build): the inverse has no rule, or reads its unknown twice.
+NOT_INVERTED_TWICE = {
+    "logistic": "the inverse is log(y) - log1p(-y), a residual of y",
+    "sqrt": "the inverse squares, reading y twice",
+    "rsqrt": "the inverse squares, reading y twice",
+    "cbrt": "the inverse cubes, reading y thrice",
+    "odd integer power": "the inverse is a cube root of a residual",
+    "negative odd power": "the inverse is a cube root of a residual",
+    "erf_inv": "the inverse is erf, which has no inverse rule",
+    "dot with a known matrix": "the inverse is a linear solve (no rule)",
+    "known matrix times x": "the inverse is a linear solve (no rule)",
+    "dot on axis 0": "the inverse is a linear solve (no rule)",
+    "cumsum": "the inverse differences shifted copies of y",
+    "reverse cumsum": "the inverse differences shifted copies of y",
+    "widening cast": "the inverse narrows float64 to float32",
+    "leaky select": "revnet.inverse cannot decide the predicate from y",
+    "select with two bijections": "revnet.inverse cannot decide the predicate",
+    "jax.nn.leaky_relu": "revnet.inverse cannot decide the predicate from y",
+    "scan storing a decision": "revnet.inverse cannot decide the predicate",
+    "nested scans storing decisions": "revnet.inverse cannot decide the predicate",
+}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_INVERTED_TWICE])
+def test_the_inverse_has_the_negative_log_det(name):
+    f, known, x = CASES[name]
+    n = tuple(range(len(known)))
+    # The run-time checks add a failing step's index to an inverse scan's
+    # carry, which the inverse of the inverse cannot rebuild.
+    with jax.enable_x64(True), runtime_checks(False):
+        y, ld = derived(f, known, x)
+        inv = revnet.inverse(f, *known, x, known_argnums=n)
+
+        def back(*args):
+            return inv(args[-1])[-1]
+
+        x_again, ld_inv = revnet.forward_and_log_det(back, *known, y, known_argnums=n)
+        np.testing.assert_allclose(x_again, x, rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(ld_inv, -ld, rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_log_dets_add_over_composition(name):
+    """An affine coupling after each case: the log-det of the composition is
+    the case's at x plus the coupling's at the case's output."""
+    f, known, x = CASES[name]
     with jax.enable_x64(True):
-        w, x = _w(2), _x()
-        y, ld = derived(coupling, (w,), x)
-        inv = revnet.inverse(coupling, w, x, known_argnums=0)
+        w = _w(2, seed=7)
 
-        def back(w, y):
-            return inv(y)[1]
+        def g(y):
+            rows = jnp.reshape(y.astype(jnp.float64), (-1, 4))
+            return jnp.reshape(coupling(w, rows), y.shape)
 
-        x_again, ld_inv = revnet.forward_and_log_det(back, w, y, known_argnums=0)
-        np.testing.assert_allclose(x_again, x, rtol=1e-10)
-        np.testing.assert_allclose(ld_inv, -ld, rtol=RTOL)
-
-
-def test_log_dets_add_over_composition():
-    with jax.enable_x64(True):
-        w, x = _w(2), _x()
-        f = coupling
-        g = CASES["cumsum"][0]
-        y, ld_f = derived(f, (w,), x)
+        y, ld_f = derived(f, known, x)
         _, ld_g = derived(g, (), y)
-        _, ld_gf = derived(lambda w, x: g(f(w, x)), (w,), x)
-        np.testing.assert_allclose(ld_gf, ld_f + ld_g, rtol=RTOL)
+        _, ld_gf = derived(lambda *a: g(f(*a)), known, x)
+        np.testing.assert_allclose(ld_gf, ld_f + ld_g, rtol=RTOL, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -310,13 +379,167 @@ def test_refusals_name_what_is_wrong():
         with pytest.raises(ValueError, match="floating inputs"):
             revnet.forward_and_log_det(lambda n, x: x * 2.0, jnp.arange(3), x)
 
-        @revnet.custom_ivjp
-        def double(x):
-            return 2.0 * x
 
-        double.definverse(lambda y: y / 2.0)
-        with pytest.raises(revnet.NotInvertibleError, match="custom_ivjp"):
-            derived(lambda x: double(x) + 0.0, (), x)
+def _softplus(z):
+    return np.logaddexp(0.0, z)
+
+
+# The terms in closed form, for inputs where the naive ones overflow.
+CLOSED_FORMS = {
+    "tanh": (
+        jnp.tanh,
+        lambda x: 2 * (np.log(2.0) - np.abs(x) - _softplus(-2 * np.abs(x))),
+    ),
+    "logistic": (jax.nn.sigmoid, lambda x: -_softplus(-x) - _softplus(x)),
+    "exp": (jnp.exp, lambda x: x),
+    "sinh": (
+        jnp.sinh,
+        lambda x: np.abs(x) + _softplus(-2 * np.abs(x)) - np.log(2.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CLOSED_FORMS))
+def test_terms_at_extreme_inputs_are_finite_closed_forms(name):
+    """At +-40, tanh and logistic round to +-1 (or 0) in float64, so the naive
+    ``log(1 - tanh(x)**2)`` is -inf; at +-800, exp and sinh overflow to inf.
+    Each example's term is finite and equals the closed form."""
+    f, closed = CLOSED_FORMS[name]
+    x = np.array([40.0, -40.0, 800.0, -800.0])
+    with jax.enable_x64(True):
+        _, log_det = revnet.forward_and_log_det(
+            f, jnp.asarray(x)[:, None], batch_ndim=1
+        )
+    assert np.all(np.isfinite(log_det)), log_det
+    np.testing.assert_allclose(log_det, closed(x), rtol=1e-14)
+
+
+def test_a_user_rule_with_a_term_gives_the_log_det():
+    """``register_inverse(..., log_det=...)``: the user's term is used."""
+
+    def asin(outs, ins, **params):
+        return [jnp.arcsin(outs[0])]
+
+    def log_cos(outs, ins, unknown, **params):
+        return jnp.log(jnp.cos(ins[unknown]))
+
+    revnet.register_inverse("sin", asin, elementwise=True, log_det=log_cos)
+    try:
+        with jax.enable_x64(True):
+            x = _x(lo=-1.2, hi=1.2)
+            _, log_det = derived(jnp.sin, (), x)
+            np.testing.assert_allclose(
+                log_det, slogdet_reference(jnp.sin, (), x), rtol=RTOL
+            )
+            np.testing.assert_allclose(log_det, np.sum(np.log(np.cos(x))), rtol=RTOL)
+    finally:
+        registry.unregister("sin")
+
+
+def _sine(x):
+    return jnp.sin(x) * 2.0  # refused here
+
+
+def test_a_user_rule_without_a_term_is_refused_in_one_line():
+    revnet.register_inverse("sin", lambda outs, ins, **p: [jnp.arcsin(outs[0])])
+    try:
+        with jax.enable_x64(True):
+            x = _x(lo=-1.2, hi=1.2)
+            np.testing.assert_allclose(revnet.inverse(_sine, x)(_sine(x))[0], x)
+            with pytest.raises(revnet.NotInvertibleError) as refused:
+                revnet.forward_and_log_det(_sine, x)
+    finally:
+        registry.unregister("sin")
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert message.startswith(
+        f"no log-determinant for `sin` at {__file__}:{_refused_line(_sine)}"
+    ), message
+    assert "its inverse rule gives no log-determinant term" in message, message
+
+
+@pytest.mark.parametrize("reversible", [False, True], ids=["plain", "invertible"])
+def test_a_parameter_only_matrix_term_is_computed_once_per_call(reversible):
+    """``slogdet`` of a known matrix is one LU factorisation of that matrix per
+    call, whatever the batch: not one per example (nor a batched one)."""
+    f = lambda w, x: x @ w  # noqa: E731
+    if reversible:
+        f = revnet.invertible(f, known_argnums=0)
+
+    def lus(batch, ndim):
+        def call(w, x):
+            return revnet.forward_and_log_det(f, w, x, known_argnums=0, batch_ndim=ndim)
+
+        eqns = equations(call, _w(), jnp.ones((batch, 4), jnp.float64))
+        return [tuple(e.invars[0].aval.shape) for e in eqns if e.primitive.name == "lu"]
+
+    with jax.enable_x64(True):
+        for ndim in (0, 1):
+            assert lus(3, ndim) == lus(64, ndim) == [(4, 4)], ndim
+
+
+def _no_term_ivjp():
+    @revnet.custom_ivjp
+    def double(x):
+        return 2.0 * x
+
+    double.definverse(lambda y: y / 2.0)
+    return double
+
+
+def _wrong_shape_ivjp():
+    @revnet.custom_ivjp
+    def halve(x):
+        return 0.5 * x
+
+    halve.definverse(lambda y: 2.0 * y)
+    halve.deflogdet(lambda x: jnp.full((2,), -np.log(2.0)))
+    return halve
+
+
+def _mixes_examples(x):
+    return jnp.cumsum(x, 0) * 2.0  # refused here
+
+
+def _custom_ivjp_without_term(x):
+    return _no_term_ivjp()(x) + 0.0  # refused here
+
+
+def _custom_ivjp_term_of_the_wrong_shape(x):
+    return _wrong_shape_ivjp()(x) + 0.0  # refused here
+
+
+def _scan_on_a_case(x):
+    step = lambda c, _: (jnp.exp(c), None)  # noqa: E731
+    inner = lax.scan(step, x, None, length=2)[0]  # refused here
+    return jnp.where(x > 0, inner, 2.0 * x)
+
+
+def _refused_line(f) -> int:
+    """The line of ``f`` marked ``# refused here``."""
+    lines, first = inspect.getsourcelines(f)
+    (line,) = [first + i for i, text in enumerate(lines) if "# refused here" in text]
+    return line
+
+
+@pytest.mark.parametrize(
+    "f,batch_ndim,reason",
+    [
+        (_mixes_examples, 1, "mixes the batch's examples"),
+        (_custom_ivjp_without_term, 0, "has no log-determinant; give it one"),
+        (_custom_ivjp_term_of_the_wrong_shape, 1, r"has shape \(2,\)"),
+        (_scan_on_a_case, 0, "a nested call or scan on a case of select_n"),
+    ],
+    ids=["mixes examples", "custom_ivjp without a term", "term's shape", "case"],
+)
+def test_log_det_refusals_are_one_line_naming_the_users_line(f, batch_ndim, reason):
+    with jax.enable_x64(True), pytest.raises(revnet.NotInvertibleError) as refused:
+        revnet.forward_and_log_det(f, _x(), batch_ndim=batch_ndim)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert re.search(reason, message), message
+    at = f" at {__file__}:{_refused_line(f)}"
+    assert re.search(re.escape(at) + r"[: ]", message), (at, message)
 
 
 def _channel_flow(k, x):
@@ -330,6 +553,8 @@ def _channel_flow(k, x):
 PER_EXAMPLE = [
     "affine coupling",
     "scan over layers",
+    "scan storing a decision",
+    "nested scans storing decisions",
     "leaky select",
     "checkpoint",
     "dot with a known matrix",

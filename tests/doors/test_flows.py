@@ -42,17 +42,21 @@ def door(request):
 
 
 @functools.cache
-def _flow(name, dtype, reversible, depth, actnorm_only):
+def _flow(name, dtype, reversible, depth, actnorm_only, leaky):
     return load(name).build_flow(
-        depth, dtype=dtype, reversible=reversible, actnorm_only=actnorm_only
+        depth,
+        dtype=dtype,
+        reversible=reversible,
+        actnorm_only=actnorm_only,
+        leaky=leaky,
     )
 
 
-def flow(name, dtype, reversible=True, depth=3, actnorm_only=False):
+def flow(name, dtype, reversible=True, depth=3, actnorm_only=False, leaky=False):
     """The door's flow (built once); a float64 one is built and must be run
     under ``jax.enable_x64``."""
     with x64(dtype):
-        return _flow(name, dtype, reversible, depth, actnorm_only)
+        return _flow(name, dtype, reversible, depth, actnorm_only, leaky)
 
 
 def x64(dtype):
@@ -70,11 +74,16 @@ def nll(forward):
     return loss
 
 
-def test_log_det_equals_slogdet_of_the_jacobian(door):
+@pytest.mark.parametrize(
+    "leaky", [pytest.param(False, id="glow"), pytest.param(True, id="leaky")]
+)
+def test_log_det_equals_slogdet_of_the_jacobian(door, leaky):
+    """``leaky``: each step ends with a leaky ReLU, a decision the plan stores
+    per layer, which the per-example proof reads through the scan."""
     with jax.enable_x64(True):
-        f = flow(door, jnp.float64, True)
+        f = flow(door, jnp.float64, True, leaky=leaky)
         _, log_det = jax.jit(f.forward)(f.params, f.x)
-        plain = flow(door, jnp.float64, False)
+        plain = flow(door, jnp.float64, False, leaky=leaky)
         # The reference differentiates the twin in reverse mode: the 1x1
         # convolution is a custom_ivjp function, which has no forward mode.
         ref = per_example_slogdet(
@@ -201,6 +210,55 @@ def test_a_block_with_batch_statistics_is_refused():
 
     with pytest.raises(ValueError, match="updates state"):
         hk.transform_with_state(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+
+
+def _mixing_sequences():
+    """``forward_and_log_det`` of each door's sequence of a block whose map
+    reads the batch's mean (Equinox's runs each example on its own)."""
+
+    def mixes(h, scale=1.0):
+        a, b = jnp.split(h, 2, -1)
+        return jnp.concatenate([a + scale * jnp.mean(b, 0), b], -1)
+
+    def haiku(x):
+        model = hk.transform(
+            lambda x: blocks.ReversibleSequence(mixes, 2).forward_and_log_det(x)
+        )
+        return model.init(jax.random.PRNGKey(0), x)
+
+    yield pytest.param(haiku, id="haiku")
+    try:
+        from flax import nnx
+
+        import revnet.nnx as rnnx
+    except ImportError:
+        return
+
+    class Mixes(nnx.Module):
+        def __init__(self, *, rngs):
+            self.scale = nnx.Param(jnp.ones(()))
+
+        def __call__(self, h):
+            return mixes(h, self.scale[...])
+
+    def flax(x):
+        return rnnx.ReversibleSequence(Mixes, 2, rngs=nnx.Rngs(0)).forward_and_log_det(
+            x
+        )
+
+    yield pytest.param(flax, id="nnx")
+
+
+@pytest.mark.parametrize("run", _mixing_sequences())
+def test_a_block_that_mixes_examples_is_refused_in_the_doors_words(run):
+    """The door's method takes no ``batch_ndim``: its one-line refusal says
+    what to change in the blocks instead of asking for one."""
+    with pytest.raises(revnet.NotInvertibleError) as refused:
+        run(jnp.ones((2, 4)))
+    message = str(refused.value)
+    assert "mixes the batch's examples" in message, message
+    assert "blocks must map each example on its own" in message, message
+    assert "batch_ndim" not in message and "\n" not in message, message
 
 
 def test_a_step_without_a_log_det_is_named():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import BENCHMARKS, budget, demo, measure, memory, models, overhead, run
+from benchmarks import (
+    BENCHMARKS,
+    budget,
+    demo,
+    measure,
+    memory,
+    models,
+    overhead,
+    run,
+    speed,
+)
 from tests.helpers import ROOT, assert_trees_close, tolerance
 
 ENTRIES = ("memory", "speed", "numerics", "loops", "loop_compare", "overhead")
@@ -89,6 +100,113 @@ def test_report_from_stored_json_without_running(tmp_path):
         "decisions.json",
         "memory.json",
     ]
+
+
+def _speed_results(size: str) -> dict:
+    """A stored ``speed.json``: one row, the reversible step 43.7 times the
+    best plain one (layer_stack's 12.3 ms), at half its temp memory."""
+    timed = (("plain", 0.0135, 1.1, 3e6), ("layer_stack", 0.0123, 1.0, 2e6))
+    timed += (("reversible", 0.5375, 43.7, 1e6),)
+    methods = {
+        m: {"median_s": s, "time_vs_best_plain": r, "temp_bytes": b}
+        | {"time_vs_best_plain_min": 0.9 * r, "time_vs_best_plain_max": 1.1 * r}
+        | {"temp_vs_best_plain": b / 2e6}
+        for m, s, r, b in timed
+    }
+    row = {"model": "mlp", "depth": 2, "methods": methods}
+    return {"size": size, "rows": [row | {"best_plain": "layer_stack"}]}
+
+
+def test_a_tiny_report_says_so_at_its_top(tmp_path):
+    """``benchmarks.run``'s report of a --tiny run opens with the tiny-run
+    note, the size read from the JSON files (one tiny file makes the run
+    tiny); a --quick report states its size instead."""
+    assert run.SIZE_NOTES["tiny"].startswith("**Tiny run (`--tiny`)")
+    title = "# revnet: benchmark report\n\n"
+    for size, others, note in (
+        ("tiny", {}, run.SIZE_NOTES["tiny"]),
+        ("tiny", {"decisions": "quick"}, run.SIZE_NOTES["tiny"]),
+        ("quick", {"decisions": "quick"}, run.SIZE_NOTES["quick"]),
+    ):
+        out = tmp_path / f"{size}-{len(others)}"
+        out.mkdir()
+        measure.write_json(str(out), "speed", _speed_results(size))
+        for name, other in others.items():
+            measure.write_json(str(out), name, {"size": other, "rows": []})
+        path = run.write_report(str(out), ["speed", *others], [])
+        text = open(path).read()
+        assert text.startswith(title + note + "\n\n"), (size, others, text[:300])
+        assert ("Tiny run" in text) == (size == "tiny"), (size, others)
+
+
+def test_speed_leaves_single_timings_out_of_a_tiny_report():
+    """One round (--tiny) means one timing per method: the step times, their
+    ratios and the best-plain mark are left out (—), the compiled temp memory
+    stays, and the heading says so; with rounds to take a median, they show."""
+    tiny_text = speed.markdown(_speed_results("tiny"), "unused")
+    quick_text = speed.markdown(_speed_results("quick"), "unused")
+    assert "| mlp | 2 | reversible | 538 | 43.7 | 39.3–48.1 | 0.954 | 0.5 |" in (
+        quick_text
+    )
+    assert "| mlp | 2 | layer_stack (best plain) | 12.3 | 1 |" in quick_text
+    assert "## Step time against plain Haiku: tiny run, single timings left out" in (
+        tiny_text
+    )
+    assert "| mlp | 2 | reversible | — | — | — | 0.954 | 0.5 |" in tiny_text
+    assert "| mlp | 2 | layer_stack | — | — | — | 1.91 | 1 |" in tiny_text
+    for figure in ("43.7", "538", "12.3", "13.5", "39.3", "best plain) |"):
+        assert figure not in tiny_text, figure
+
+
+def _overhead_results(repeats: int) -> dict:
+    """A stored ``overhead.json`` in which every phase of the invertible
+    stack takes 2 ms and of the hand-written one 3 ms (a ratio of 0.667), and
+    compiling at depth 32 takes 5.43 times as long as at depth 4."""
+    phases = ("trace_s", "first_call_s", "lower_s", "compile_s", "jit_grad_s")
+    phases += ("eager_forward_s", "eager_grad_s")
+    timings = {
+        m: {k: {"median_s": s, "repeats": repeats} for k in phases}
+        for m, s in (("invertible", 0.002), ("hand", 0.003))
+    }
+    compiled = {m: {"temp_bytes": 2**20, "flops": 4e6} for m in overhead.METHODS}
+    compiled["ratio"] = {"temp_bytes": 1.0, "flops": 1.0}
+    rows = [
+        {"depth": d, "method": m, "repeats": max(1, repeats // 2)}
+        for d in (4, 32)
+        for m in overhead.METHODS
+    ]
+    deep = {"lower_compile_median_s": 5.43, "temp_bytes": 1.0}
+    grads = {m: {"grad_rel_error": 1e-7} for m in overhead.METHODS}
+    return {
+        "config": {"width": 16, "batch": 8, "unrolled": 2, "depth": 4}
+        | {"repeats": repeats},
+        "timings": timings,
+        "compiled": compiled,
+        "depth_scaling": {"depths": [4, 32], "rows": rows}
+        | {"deep_over_shallow": {m: deep for m in overhead.METHODS}},
+        "eager_cache": {"analyses_per_warm_eager_call": 0}
+        | {"jaxpr_prints_per_warm_eager_call": 0},
+        "gradient_check": {"passed": True} | {d: grads for d in overhead.GRAD_RTOL},
+    }
+
+
+def test_overhead_leaves_ratios_of_single_timings_out_of_a_tiny_report():
+    """One timing of each phase and one compile at each depth (--tiny): no
+    time ratio is shown, neither invertible / hand nor deep / shallow, and the
+    text says so; compiled memory and FLOPs keep theirs."""
+    tiny_text = overhead.markdown(_overhead_results(1), "unused")
+    quick_text = overhead.markdown(_overhead_results(7), "unused")
+    row = "| warm jitted `grad` call | 2.00 ms | 3.00 ms |"
+    assert f"{row} 0.667 |" in quick_text and "invertible 5.43x, 1.00x" in quick_text
+    assert f"{row} — |" in tiny_text and tiny_text.count(" | — |") == 7
+    assert "**Tiny run: single timings, so their ratios are left out (—).**" in (
+        tiny_text
+    )
+    assert "0.667" not in tiny_text and "5.43" not in tiny_text
+    assert "deep / shallow: invertible 1.00x; hand 1.00x" in tiny_text
+    assert "its time ratio is left out" in tiny_text
+    for text in (tiny_text, quick_text):
+        assert "| compiled temp memory | 1.000 MiB | 1.000 MiB | 1 |" in text
 
 
 def test_time_ratios_to_the_best_plain_baseline_and_their_spread():
@@ -497,12 +615,15 @@ def test_budget_tiny_run_keeps_its_claims(tmp_path):
 
 @pytest.mark.slow
 def test_demo_tiny_report_states_its_sizes_and_embeds_its_plot(tmp_path):
-    """``make demo``'s program at its tiny size: the report says it is a tiny
-    run, states its sizes, embeds the plot it wrote, keeps the smoke training
-    and the timings out, and the memory it plots is flat for the reversible
-    stack and linear for standard backprop."""
+    """``make demo``'s program at its tiny size: tqdm's bar on stderr counts
+    its three parts to the end; the report says it is a tiny run, states its
+    sizes, embeds the plot it wrote, keeps the smoke training and the timings
+    out, and the memory it plots is flat for the reversible stack and linear
+    for standard backprop."""
     proc = python("-m", "benchmarks.demo", "--tiny", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"demo: +0%\|.*\| 0/3 ", proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"demo: 100%\|.*\| 3/3 ", proc.stderr), proc.stderr[-3000:]
     with open(tmp_path / "demo.json") as f:
         results = json.load(f)
     text = (tmp_path / "REPORT.md").read_text()

@@ -444,6 +444,33 @@ def test_make_targets_run_what_the_readme_says():
     assert '-m "not slow"' in test
 
 
+def _recipe(makefile: str, target: str) -> list[str]:
+    """The command lines of ``target``'s recipe, continuation lines joined."""
+    found = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n?)*)", makefile, re.M)
+    assert found, f"no target {target}"
+    return found.group(1).replace("\\\n", " ").split("\n")
+
+
+def test_make_docs_builds_strict_and_not_quiet():
+    """``-q`` lowers mkdocs 1.6's log level to ERROR, so ``--strict`` would see
+    no warning and a broken link would build (tests/project/test_docs_site.py
+    builds one)."""
+    makefile = (pathlib.Path(ROOT) / "Makefile").read_text()
+    builds = [
+        shlex.split(line)
+        for line in _recipe(makefile, "docs")
+        if re.search(r"\bmkdocs build\b", line)
+    ]
+    assert builds, "make docs runs no mkdocs build"
+    ci = (pathlib.Path(ROOT) / ".ci" / "run").read_text()
+    assert re.search(r"^make docs$", ci, re.M), "CI does not run make docs"
+    builds += [shlex.split(line) for line in ci.splitlines() if "mkdocs" in line]
+    for argv in builds:
+        assert "--strict" in argv, argv
+        quiet = [a for a in argv if a == "--quiet" or re.fullmatch(r"-\w*q\w*", a)]
+        assert not quiet, argv
+
+
 def test_bash_blocks_name_existing_flags(capsys):
     from benchmarks import BENCHMARKS
 
@@ -487,6 +514,18 @@ DOCUMENTED = {
     "revnet.blocks": revnet.blocks,
     "revnet.DriftMonitor": revnet.DriftMonitor,
 }
+
+
+def test_help_revnet_names_the_nnx_and_equinox_front_doors():
+    """``help(revnet)`` shows the package docstring: it names every front door
+    and its framework, not Haiku's alone."""
+    text = " ".join(revnet.__doc__.split())
+    for framework, module in (
+        ("Haiku", "revnet.blocks"),
+        ("Flax NNX", "revnet.nnx"),
+        ("Equinox", "revnet.eqx"),
+    ):
+        assert re.search(rf"{framework}: :mod:`{re.escape(module)}`", text), module
 
 
 @pytest.mark.parametrize("name", DOCUMENTED)

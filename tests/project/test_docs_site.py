@@ -3,7 +3,8 @@
 ``make docs`` builds ``site/`` in strict mode (CI runs it). Here the hooks are
 checked on small inputs, so that a public name left off the API pages, a
 missing docstring or a broken include fails the build; and in the slow tier
-the site is built and its pages opened in headless Chromium.
+a copy of the sources with a broken link and a name off its API page must fail
+to build, and the site is built and its pages opened in headless Chromium.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ from tests.helpers import ROOT
 
 pytest.importorskip("mkdocs", reason="the docs extra: pip install '.[docs]'")
 HOOKS = pathlib.Path(ROOT) / "docs" / "hooks"
+# As `make docs` builds. Not -q: in mkdocs 1.6 it lowers the log level to
+# ERROR, and --strict then never sees a warning.
+BUILD = [sys.executable, "-m", "mkdocs", "build", "--strict"]
+
+
+def _build(root: str | pathlib.Path, out: pathlib.Path) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of the ``mkdocs.yml`` in ``root`` into ``out``."""
+    return subprocess.run(
+        [*BUILD, "-d", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
 
 
 def _hook(name: str):
@@ -120,6 +136,34 @@ def test_includes_rewrite_root_links_and_refuse_what_is_missing(tmp_path):
             hook.on_page_markdown(missing + "\n", None, Config(), None)
 
 
+@pytest.mark.slow
+def test_a_broken_link_or_a_name_on_no_api_page_fails_the_build(tmp_path):
+    """A copy of the site's sources, with one link that goes nowhere and the
+    ``::: revnet.scan`` line taken off its API page, does not build: strict
+    mode counts both warnings and names each one."""
+    copy = tmp_path / "repo"
+    shutil.copytree(
+        HOOKS.parent, copy / "docs", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    pages = "\n".join(p.read_text() for p in (copy / "docs").rglob("*.md"))
+    included = {m.group(1) for m in _hook("repo_links")._INCLUDE.finditer(pages)}
+    assert "README.md" in included, included
+    for name in ("mkdocs.yml", *included):
+        shutil.copy(pathlib.Path(ROOT) / name, copy / name)
+    (copy / "revnet").symlink_to(pathlib.Path(ROOT) / "revnet")  # mkdocstrings'
+    with open(copy / "docs" / "limits.md", "a") as f:
+        f.write("\nSee [the missing page](no-such-page.md).\n")
+    api = copy / "docs" / "api" / "revnet.md"
+    assert "\n::: revnet.scan\n" in api.read_text()
+    api.write_text(api.read_text().replace("\n::: revnet.scan\n", "\n"))
+    proc = _build(copy, tmp_path / "site")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert re.search(r"WARNING.*'limits\.md'.*'no-such-page\.md'", log), log[-3000:]
+    assert "revnet.scan is public but on no API page" in log, log[-3000:]
+    assert "Aborted with 2 warnings in strict mode" in log, log[-3000:]
+
+
 # --------------------------------------------------------------------------- #
 # The built site, in a browser.
 
@@ -142,11 +186,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+    proc = _build(ROOT, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     handler = functools.partial(_QuietHandler, directory=str(out))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -3,6 +3,7 @@ makes, installed into a clean virtual environment with and without each extra.""
 
 from __future__ import annotations
 
+import configparser
 import email
 import importlib.metadata
 import json
@@ -60,6 +61,35 @@ def test_version_is_the_changelogs_latest_and_the_installed_metadatas():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("revnet is not installed (make test installs it editable)")
     assert installed == revnet.__version__
+
+
+def test_licence_is_apache_2_0_and_the_metadata_says_so():
+    """LICENSE holds the Apache License 2.0 text, and every licence the
+    package declares (setup.cfg, pyproject.toml, classifiers) is Apache-2.0."""
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        lines = [line.strip() for line in f]
+    title = lines.index("Apache License")
+    assert lines[title + 1] == "Version 2.0, January 2004", lines[title : title + 2]
+    assert "http://www.apache.org/licenses/" in lines[title + 2 : title + 4]
+    terms = lines.index("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION")
+    assert title < terms < lines.index("END OF TERMS AND CONDITIONS")
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    metadata = dict(config["metadata"]) if config.has_section("metadata") else {}
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        project = re.search(r"^\[project\]\n(.*?)(?=^\[|\Z)", f.read(), re.M | re.S)
+    declared = [metadata.get("license")]
+    if project:  # license = "Apache-2.0", or the older { text = "Apache-2.0" }
+        found = re.search(r'^license\s*=\s*(?:\{\s*text\s*=\s*)?"([^"]*)"',
+                          project.group(1), re.M)  # fmt: skip
+        declared.append(found and found.group(1))
+    declared = [d for d in declared if d]
+    assert declared and set(declared) == {"Apache-2.0"}, declared
+    classifiers = metadata.get("classifiers", "") + (project and project.group(1) or "")
+    licences = re.findall(r"License :: [^\n\"]+", classifiers)
+    assert set(licences) <= {"License :: OSI Approved :: Apache Software License"}
+    if "license_files" in metadata:
+        assert "LICENSE" in metadata["license_files"].split()
 
 
 # --------------------------------------------------------------------------- #

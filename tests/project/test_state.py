@@ -176,10 +176,12 @@ def test_a_writer_killed_at_any_moment_leaves_the_step_loadable(tmp_path):
     last = 0
     for round_ in range(1, 7):
         proc = writer(directory, 1000 * round_, 10**6)
-        assert proc.stdout.readline().strip() == str(1000 * round_), proc.stderr
-        time.sleep(rng.uniform(0.0, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        try:
+            assert proc.stdout.readline().strip() == str(1000 * round_)
+            time.sleep(rng.uniform(0.0, 0.4))
+        finally:  # killed even when it never printed its first step
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=30)
         _, meta = state.load(directory, 1, tree())
         assert meta["i"] >= 1000 * round_ > last
         last = meta["i"]
@@ -195,15 +197,22 @@ def test_a_writer_killed_at_any_moment_leaves_the_step_loadable(tmp_path):
 def test_two_writers_of_one_step_both_finish_and_it_loads(tmp_path):
     directory, go = str(tmp_path / "state"), str(tmp_path / "go")
     procs = [writer(directory, first, 5, go) for first in (100, 200)]
-    time.sleep(3)  # both are waiting, JAX and orbax imported
-    start = time.monotonic()
-    open(go, "w").close()
-    for proc in procs:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err[-2000:]
-        first = int(proc.args[5])
-        assert out.split() == [str(first + k) for k in range(5)]
-    assert time.monotonic() - start < 60
+    try:
+        time.sleep(3)  # both are waiting, JAX and orbax imported
+        # Both must end within 60 s of the start: a hang raises TimeoutExpired.
+        deadline = time.monotonic() + 60
+        open(go, "w").close()
+        for proc in procs:
+            left = max(0.0, deadline - time.monotonic())
+            out, err = proc.communicate(timeout=left)
+            assert proc.returncode == 0, err[-2000:]
+            first = int(proc.args[5])
+            assert out.split() == [str(first + k) for k in range(5)]
+    finally:  # a writer that hung or was left running does not outlive the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     _, meta = state.load(directory, 1, tree())
     assert meta["i"] in (104, 204)
     assert_loads_as(directory, meta["i"])

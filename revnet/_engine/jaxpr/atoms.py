@@ -122,5 +122,12 @@ def new_var(a: Any) -> Var:
 
 
 def stacked(a: Any, length: int) -> Any:
-    """The abstract value ``a`` stacked ``length`` times on a new leading axis."""
-    return a.update(shape=(length, *a.shape))
+    """The abstract value ``a`` stacked ``length`` times on a new leading axis,
+    which no mesh axis splits (a sharded value's spec gains a leading None,
+    as ``lax.scan`` stacks its ``ys``)."""
+    sharding = getattr(a, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return a.update(shape=(length, *a.shape))
+    spec = spec.update(partitions=(None, *spec))
+    return a.update(shape=(length, *a.shape), sharding=sharding.update(spec=spec))

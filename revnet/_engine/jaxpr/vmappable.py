@@ -43,7 +43,7 @@ def _instantiate(t: Any) -> Any:
     a = t.aval
     if a.dtype == jax.dtypes.float0:
         return np.zeros(a.shape, a.dtype)
-    return jnp.zeros(a.shape, a.dtype)
+    return t.instantiate()  # of the aval's type: its sharding, varying axes
 
 
 class RevnetCall(VJPHiPrimitive):

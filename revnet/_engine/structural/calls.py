@@ -307,7 +307,9 @@ class _CustomTerms(log_det.TermRule):
         if t.shape[:k] == ev.zero.shape:
             # One value per example, or per element of axes that lead with
             # the batch's (a term per position of an image): summed.
-            return jax.numpy.sum(t, axis=tuple(range(k, t.ndim)))
+            t = jax.numpy.sum(t, axis=tuple(range(k, t.ndim)))
+            avals = [jx.aval(eqn.invars[n]) for n in step.unknown]
+            return ev.shared(ev.like_zero(t), avals, eqn)
         raise log_det.refusal(
             eqn,
             f"the log-determinant of custom_ivjp function {fn.__name__!r} has shape "

@@ -13,6 +13,12 @@ trace. At run time a new ``shard_map`` of the same mesh runs the plan per
 device: it takes the known inputs with their ``in_specs`` and the outputs (and
 their cotangents) with their ``out_specs``, and returns the rebuilt inputs and
 the input cotangents with the inputs' ``in_specs``: each of its primal's type.
+
+Its log-determinant (:class:`_ShardMapTerms`) is the sum of the devices'
+terms with each distinct block counted once, computed by a second
+``shard_map`` of the same mesh that returns it (the equation itself is left as
+it is, so that a program with its log-determinant inverts as the program
+does).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from revnet._engine import analysis, registry, runtime_checks, sharding
+from revnet._engine import analysis, log_det, registry, runtime_checks, sharding
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
+from revnet._engine.batch_axes import spec_entries
 from revnet._engine.errors import Stuck
-from revnet._engine.interpreter import Handler, register_handler, run_plan
+from revnet._engine.interpreter import Handler, apply_eqn, register_handler, run_plan
 from revnet._engine.plan import Plan
 
 
@@ -183,5 +190,102 @@ def _summed(c, axes: tuple):
     return jax.lax.psum(c, axes)
 
 
+class _ShardMapTerms(log_det.TermRule):
+    """A ``shard_map`` adds its devices' terms, each distinct value once.
+
+    The global map's variables are the distinct blocks: a value whose type
+    varies along the manual axes ``V`` has one block per position along
+    ``V``, and its copies along the other axes are the same variable. Each
+    term of the body is summed (``psum``) over the axes ``V`` of the value it
+    solves: once per block, whatever the term itself varies along (a factor
+    replicated on every device scales every block). A per-example
+    log-determinant keeps the axes that split the batch, and leaves the
+    ``shard_map`` split as its batched inputs are.
+    """
+
+    evaluates = True
+
+    def has_terms(self, step, eqn):
+        return log_det.has_terms(step.plan, jx.shard_map_params(eqn).body.jaxpr)
+
+    def evaluate(self, ev, step, eqn, ins):
+        sm = jx.shard_map_params(eqn)
+        if ev.share is not None:
+            raise log_det.refusal(eqn, "a shard_map inside another's body")
+        k = ev.zero.ndim
+        batch = {spec_entries(sm.in_specs[n], k) for n in step.unknown}
+        if len(batch) != 1:
+            raise log_det.refusal(
+                eqn,
+                "a per-example log-determinant needs the batch's axes split alike "
+                "in every rebuilt input, and its in_specs split them differently",
+            )
+        (entries,) = batch
+        batch_axes = frozenset(a for e in entries for a in e)
+        manual = frozenset(sm.axis_names)
+        split = all(
+            not _unmentioned(sm, spec)
+            for spec in [*[sm.in_specs[n] for n in step.unknown], *sm.out_specs]
+        )
+        body, nb = sm.body, len(sm.body.consts)
+        local = tuple(jx.aval(body.jaxpr.invars[nb + step.unknown[0]]).shape[:k])
+
+        def share(term, avals, e):
+            if not sm.check_vma:
+                if not split:
+                    raise log_det.refusal(
+                        eqn,
+                        "without check_vma revnet cannot tell which values are "
+                        "replicated across devices (a term counted once) and "
+                        "which are not; use check_vma=True, or split every "
+                        "rebuilt input and every output over every manual axis "
+                        f"{sorted(manual)}",
+                    )
+                # Every solved value is then split over every manual axis.
+                return _summed(term, tuple(sorted(manual - batch_axes)))
+            kinds = {sharding.varying(a) for a in avals}
+            if len(kinds) != 1:
+                raise log_det.refusal(
+                    e,
+                    "it solves values that vary along different mesh axes, so "
+                    "their term's copies cannot be counted once",
+                )
+            (varying,) = kinds
+            have = sharding.varying(jax.typeof(term))
+            if have - varying:
+                raise log_det.refusal(
+                    e,
+                    f"its term varies along the mesh axes {sorted(have - varying)} "
+                    "and the value it solves does not",
+                )
+            if batch_axes - varying:
+                raise log_det.refusal(
+                    e,
+                    "per example, the value it solves is replicated along the "
+                    f"mesh axes {sorted(batch_axes - varying)} that split the batch",
+                )
+            if varying - have:  # a factor the same on every device
+                term = jax.lax.pcast(term, tuple(sorted(varying - have)), to="varying")
+            return _summed(term, tuple(sorted(varying - batch_axes)))
+
+        def per_device(*args):
+            zero = jnp.zeros(local, ev.zero.dtype)
+            if sm.check_vma and batch_axes:
+                zero = jax.lax.pcast(zero, tuple(sorted(batch_axes)), to="varying")
+            _, term = ev.nested(
+                step.plan, body.jaxpr, [*body.consts, *args], zero, share
+            )
+            return (term,)
+
+        # The terms come from a shard_map of their own: the equation itself
+        # stays as it is, so that a program with its log-determinant inverts
+        # as the program does (its outputs rebuild its inputs, and then the
+        # terms are evaluated forward from them).
+        spec = P(*[e or None for e in entries])
+        term = jx.shard_map(sm, per_device, sm.in_specs, (spec,))(*ins)[0]
+        return apply_eqn(eqn, ins), ev.like_zero(term)
+
+
 registry.register_structural(["shard_map"], ShardMapRule())
 register_handler(ShardMap, _ShardMapHandler())
+log_det.register_term_rule(ShardMap, _ShardMapTerms())

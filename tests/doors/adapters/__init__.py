@@ -18,10 +18,12 @@ framework would write it, through revnet's public front door, with:
 * ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,
   seed=0) -> Built``: the door's reversible transformer blocks (dropout rate
   :data:`RATE`) on ``x`` of shape ``[BATCH, TIME, MODEL]``;
-* ``build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0) ->
-  Flow``: a Glow stack of the door's ``ActNorm``, ``InvertibleConv1x1`` and
-  ``AffineCoupling`` (or of ActNorms alone), initialised from data on ``x``
-  of shape ``[FLOW_BATCH, FLOW_WIDTH]`` (:func:`flow_input`);
+* ``build_flow(depth, *, dtype, reversible, actnorm_only=False, leaky=False,
+  seed=0) -> Flow``: a Glow stack of the door's ``ActNorm``,
+  ``InvertibleConv1x1`` and ``AffineCoupling`` (or of ActNorms alone; with
+  ``leaky``, each step ends with ``jax.nn.leaky_relu(h, LEAK)``, a decision
+  the plan stores per layer), initialised from data on ``x`` of shape
+  ``[FLOW_BATCH, FLOW_WIDTH]`` (:func:`flow_input`);
 * ``flow_layers(dtype) -> {name: (forward, inverse)}``: the door's
   ``ActNorm`` (initialised from :func:`layer_input`), ``InvertibleConv1x1``
   and ``Squeeze`` alone, ``forward(x) -> (y, log_det)`` on a batch;
@@ -43,6 +45,7 @@ WIDTH = 32
 RATE = 0.1
 TIME, MODEL, HEADS, MLP = 5, 16, 2, 32
 FLOW_BATCH, FLOW_WIDTH = 4, 8
+LEAK = 0.5  # the slope of a flow step's leaky ReLU (build_flow's leaky)
 
 
 class Built(NamedTuple):

@@ -12,6 +12,7 @@ from tests.doors.adapters import (
     BATCH,
     FLOW_WIDTH,
     HEADS,
+    LEAK,
     MLP,
     MODEL,
     RATE,
@@ -94,8 +95,10 @@ class FlowStep(eqx.Module):
     norm: revnet.eqx.ActNorm
     conv: revnet.eqx.InvertibleConv1x1
     coupling: revnet.eqx.AffineCoupling
+    leaky: bool = eqx.field(static=True)
 
-    def __init__(self, *, key, dtype):
+    def __init__(self, *, key, dtype, leaky=False):
+        self.leaky = leaky
         kc, kn = jax.random.split(key)
         self.norm = revnet.eqx.ActNorm(FLOW_WIDTH, dtype=dtype)
         self.conv = revnet.eqx.InvertibleConv1x1(FLOW_WIDTH, key=kc, dtype=dtype)
@@ -111,14 +114,15 @@ class FlowStep(eqx.Module):
         self.coupling = revnet.eqx.AffineCoupling(net)
 
     def __call__(self, h, *, key=None):
-        return self.coupling(self.conv(self.norm(h)))
+        h = self.coupling(self.conv(self.norm(h)))
+        return jax.nn.leaky_relu(h, LEAK) if self.leaky else h
 
 
-def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, leaky=False, seed=0):
     def make_block(key):
         if actnorm_only:
             return revnet.eqx.ActNorm(FLOW_WIDTH, dtype=dtype)
-        return FlowStep(key=key, dtype=dtype)
+        return FlowStep(key=key, dtype=dtype, leaky=leaky)
 
     x = flow_input(seed, dtype)
     seq = revnet.eqx.ReversibleSequence(

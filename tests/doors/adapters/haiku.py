@@ -14,6 +14,7 @@ from tests.doors.adapters import (
     BATCH,
     FLOW_WIDTH,
     HEADS,
+    LEAK,
     MLP,
     MODEL,
     RATE,
@@ -44,15 +45,18 @@ def affine(x):
     return blocks.AffineCoupling(hk.nets.MLP([WIDTH, WIDTH]))(x)
 
 
-def flow_step(h):
+def flow_step(h, leaky=False):
     h = blocks.ActNorm()(h)
     h = blocks.InvertibleConv1x1()(h)
     net = hk.nets.MLP([FLOW_WIDTH, FLOW_WIDTH], activation=jnp.tanh)
-    return blocks.AffineCoupling(net, zero_init=False)(h)
+    h = blocks.AffineCoupling(net, zero_init=False)(h)
+    return jax.nn.leaky_relu(h, LEAK) if leaky else h
 
 
-def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
-    step = (lambda h: blocks.ActNorm()(h)) if actnorm_only else flow_step
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, leaky=False, seed=0):
+    step = functools.partial(flow_step, leaky=leaky)
+    if actnorm_only:
+        step = lambda h: blocks.ActNorm()(h)  # noqa: E731
 
     def seq():
         return blocks.ReversibleSequence(step, depth, reversible=reversible)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -17,6 +18,7 @@ from tests.doors.adapters import (
     BATCH,
     FLOW_WIDTH,
     HEADS,
+    LEAK,
     MLP,
     MODEL,
     RATE,
@@ -79,7 +81,8 @@ def _affine(dtype):
 class FlowStep(nnx.Module):
     """ActNorm, the 1x1 convolution and an affine coupling (Glow's step)."""
 
-    def __init__(self, *, dtype, rngs):
+    def __init__(self, *, dtype, rngs, leaky=False):
+        self.leaky = leaky
         self.norm = revnet.nnx.ActNorm(FLOW_WIDTH, param_dtype=dtype)
         self.conv = revnet.nnx.InvertibleConv1x1(
             FLOW_WIDTH, param_dtype=dtype, rngs=rngs
@@ -92,14 +95,15 @@ class FlowStep(nnx.Module):
         self.coupling = revnet.nnx.AffineCoupling(net)
 
     def __call__(self, h):
-        return self.coupling(self.conv(self.norm(h)))
+        h = self.coupling(self.conv(self.norm(h)))
+        return jax.nn.leaky_relu(h, LEAK) if self.leaky else h
 
 
-def build_flow(depth, *, dtype, reversible, actnorm_only=False, seed=0):
+def build_flow(depth, *, dtype, reversible, actnorm_only=False, leaky=False, seed=0):
     def block(rngs):
         if actnorm_only:
             return revnet.nnx.ActNorm(FLOW_WIDTH, param_dtype=dtype)
-        return FlowStep(dtype=dtype, rngs=rngs)
+        return FlowStep(dtype=dtype, rngs=rngs, leaky=leaky)
 
     model = revnet.nnx.ReversibleSequence(
         block, depth, rngs=nnx.Rngs(seed), reversible=reversible

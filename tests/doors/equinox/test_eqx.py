@@ -130,6 +130,26 @@ def test_affine_log_det_is_the_log_jacobian_determinant():
         np.testing.assert_allclose(block.inverse(block(x)), x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", ["sigmoid", "tanh", "exp"])
+def test_affine_log_det_is_the_derived_one_in_float64(scale):
+    """The hand-written log-det against the derived one and slogdet(jacfwd),
+    in float64 at 1e-10, with weights large enough to reach the scale's
+    bounds."""
+    with jax.enable_x64(True):
+        net = eqx.nn.MLP(
+            3, 6, 16, 1, activation=jnp.tanh, key=jax.random.key(0), dtype=jnp.float64
+        )
+        net = eqx.tree_at(lambda n: n.layers[-1].weight, net, 4 * net.layers[-1].weight)
+        block = revnet.eqx.AffineCoupling(net, scale=scale)
+        x = jax.random.normal(jax.random.key(1), (6,), jnp.float64)
+        _, log_det = block.forward_and_log_det(x)
+        _, derived = revnet.forward_and_log_det(block, x)
+        assert log_det.dtype == jnp.float64
+        np.testing.assert_allclose(log_det, derived, rtol=1e-10, atol=1e-12)
+        _, expected = jnp.linalg.slogdet(jax.jacfwd(block)(x))
+        np.testing.assert_allclose(log_det, expected, rtol=1e-10, atol=1e-12)
+
+
 class NormDropResidual(eqx.Module):
     """BatchNorm over the batch axis and dropout: state and a key."""
 

@@ -17,32 +17,41 @@ from tests.doors.haiku.descriptors import additive, mlp
 SCALES = [{}, {"scale": "tanh", "scale_bound": 1.5}, {"scale": "exp"}]
 
 
+# (dtype, rtol, atol): the hand-written log-det against the derived one and
+# against slogdet(jacfwd).
+PRECISIONS = {"f32": (jnp.float32, 1e-5, 1e-5), "f64": (jnp.float64, 1e-10, 1e-12)}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("scale", SCALES, ids=["sigmoid", "tanh", "exp"])
-def test_affine_log_det_matches_jacobian(scale):
+def test_affine_log_det_matches_jacobian(scale, precision):
+    dtype, rtol, atol = PRECISIONS[precision]
     model = hk.transform(
         lambda x: blocks.AffineCoupling(
             mlp([16, 6]), zero_init=False, **scale
         ).forward_and_log_det(x)
     )
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6))
-    params = model.init(jax.random.PRNGKey(0), x)
-    # Large output weights make the scales reach their bounds.
-    params = jax.tree.map(lambda p: (4 if scale else 8) * p, params)
-    _, log_det = model.apply(params, None, x)
-    # The hand-written log-det is the one revnet derives from the program.
-    _, derived = revnet.forward_and_log_det(
-        lambda p, v: model.apply(p, None, v)[0],
-        params,
-        x,
-        known_argnums=0,
-        batch_ndim=1,
-    )
-    np.testing.assert_allclose(log_det, derived, rtol=1e-5, atol=1e-5)
-    for i in range(x.shape[0]):
-        single = lambda v: model.apply(params, None, v[None])[0][0]  # noqa: E731
-        sign, expected = jnp.linalg.slogdet(jax.jacfwd(single)(x[i]))
-        assert sign > 0
-        np.testing.assert_allclose(log_det[i], expected, rtol=1e-5, atol=1e-5)
+    with jax.enable_x64(dtype == jnp.float64):
+        x = jax.random.normal(jax.random.PRNGKey(1), (2, 6), dtype)
+        params = model.init(jax.random.PRNGKey(0), x)
+        # Large output weights make the scales reach their bounds.
+        params = jax.tree.map(lambda p: (4 if scale else 8) * p, params)
+        _, log_det = model.apply(params, None, x)
+        assert log_det.dtype == dtype
+        # The hand-written log-det is the one revnet derives from the program.
+        _, derived = revnet.forward_and_log_det(
+            lambda p, v: model.apply(p, None, v)[0],
+            params,
+            x,
+            known_argnums=0,
+            batch_ndim=1,
+        )
+        np.testing.assert_allclose(log_det, derived, rtol=rtol, atol=atol)
+        for i in range(x.shape[0]):
+            single = lambda v: model.apply(params, None, v[None])[0][0]  # noqa: E731
+            sign, expected = jnp.linalg.slogdet(jax.jacfwd(single)(x[i]))
+            assert sign > 0
+            np.testing.assert_allclose(log_det[i], expected, rtol=rtol, atol=atol)
 
 
 @settings(max_examples=6)
