@@ -11,6 +11,7 @@ set of these measurements, with their code, into a report of its own.
 
 # Report name -> module under ``benchmarks``.
 BENCHMARKS = {
+    "budget": "budget",
     "memory": "memory",
     "speed": "speed",
     "train": "training",

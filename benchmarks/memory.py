@@ -47,6 +47,7 @@ STYLES = {
     "generic": ("tab:blue", "x"),
     "plain": ("tab:purple", "D"),
     "layer_stack": ("tab:brown", "v"),
+    "layer_stack_remat": ("tab:gray", "P"),
 }
 
 

@@ -14,6 +14,8 @@ and the model's sizes. Methods:
   name scope: plain Haiku with ordinary, unrolled backprop, the baseline a user
   has without revnet;
 * ``layer_stack``: the same block functions under ``hk.layer_stack``.
+* ``layer_stack_remat``: the same, each layer in ``hk.remat``: JAX's best
+  same-FLOP baseline (a scan that stores one activation per layer).
 
 All share one parameter tree (the ``standard`` model's ``init``, renamed or
 sliced per layer for the two plain layouts by :func:`convert`), so measured
@@ -44,7 +46,15 @@ from benchmarks import measure
 from revnet import blocks
 
 MODELS = ("mlp", "conv", "revnet", "transformer")
-METHODS = ("standard", "checkpoint", "reversible", "generic", "plain", "layer_stack")
+METHODS = (
+    "standard",
+    "checkpoint",
+    "reversible",
+    "generic",
+    "plain",
+    "layer_stack",
+    "layer_stack_remat",
+)
 
 
 class Unavailable(RuntimeError):
@@ -298,6 +308,9 @@ def build(
         if method in PLAIN_METHODS:
             with hk.intercept_methods(plain_interceptor(method)):
                 return forward(x, is_training)
+        if method == "layer_stack_remat":
+            with hk.intercept_methods(plain_interceptor("layer_stack", remat=True)):
+                return forward(x, is_training)
         return forward(x, is_training)
 
     net = hk.transform_with_state(run)
@@ -314,8 +327,9 @@ def build(
             init = init_unoptimised(init_net.init, key, x, True, static_argnums=(2,))
         params, state = init
     base = (params, state)
-    if method in PLAIN_METHODS:
-        params, state = (convert(t, method) for t in (params, state))
+    if method in PLAIN_METHODS or method == "layer_stack_remat":
+        layout = "layer_stack" if method == "layer_stack_remat" else method
+        params, state = (convert(t, layout) for t in (params, state))
 
     if method == "generic":
 

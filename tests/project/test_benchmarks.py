@@ -22,6 +22,7 @@ import pytest
 
 from benchmarks import (
     BENCHMARKS,
+    budget,
     demo,
     measure,
     memory,
@@ -578,6 +579,38 @@ def test_flows_tiny_run_keeps_its_claims(tmp_path):
     assert deep["temp_revnet"] < deep["temp_jet-style"] < deep["temp_flowjax"]
     assert set(deep) >= {f"time_ratio_{w}" for w in ("flowjax", "revnet")}
     assert results["flowjax"]
+
+
+@pytest.mark.slow
+def test_budget_tiny_run_keeps_its_claims(tmp_path):
+    """Each method's largest batch fits the budget and is what it says; the
+    reversible stack fits more than ``layer_stack`` + remat; every method is
+    timed at its own batch and at the baseline's; page faults are counted
+    under both XLA settings; the tiny report leaves the timings out."""
+    results = tiny("budget", tmp_path)
+    assert results["timing_env"] == budget.PINNED
+    for res in results["models"]:
+        base = budget.baseline(res["model"])
+        rev = "haiku/reversible" if res["model"] == "mlp" else "reversible"
+        (b,) = res["budgets"]
+        for method, fit in b["fits"].items():
+            assert fit["batch"], (res["model"], method)
+            assert fit["total_bytes"] <= b["budget_mib"] * budget.MIB, fit
+            assert "median_s" in b["timed"][method], b["timed"]
+            assert "median_s" in b["equal"][method], b["equal"]
+        assert b["fits"][rev]["batch"] >= b["fits"][base]["batch"], b["fits"]
+        assert b["equal_batch"] == b["fits"][base]["batch"]
+        assert set(b["faults"]) == {"xla_default", "no_ynn"}
+        for per in b["faults"].values():
+            assert all(f["fault_bytes_per_step"] >= 0 for f in per.values()), per
+        assert res["depths"][rev]["depth"] >= res["depths"][base]["depth"]
+    text = budget.markdown(results, str(tmp_path))
+    assert "single timings of toy steps are left out" in text
+    rows = [
+        ln for ln in text.splitlines() if ln.startswith(("| reversible |", "| haiku/"))
+    ]
+    timing_rows = [ln for ln in rows if ln.count("|") == 6]  # the batch tables
+    assert timing_rows and all(ln.endswith("| — | — | — |") for ln in timing_rows)
 
 
 @pytest.mark.slow

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import pytest
 
 from revnet import blocks
-from revnet.blocks.sequence import Stage
 from tests.doors.haiku.descriptors import affine
 from tests.helpers import compiled, flop_count, runtime_checks, temp_size
 
@@ -162,48 +161,101 @@ def test_unrolled_chain_flops_within_limit():
     assert 1.1 <= ratio <= 1.34
 
 
-def unrolled_transformer(depth: int, mlp_size: int, remat: bool):
-    """The transformer's own layer, unrolled: reversible, or ``hk.remat``'d.
+def unrolled(forward, remat: bool):
+    """``forward`` with each sequence unrolled: reversible, or ``hk.remat``'d.
 
-    The remat twin is ``hk.layer_stack`` + ``hk.remat`` as a Python loop (a
-    scan's body is counted once, so neither twin scans).
+    Every ``ReversibleSequence`` (and transformer stage) of one repeated block
+    runs as a Python chain: a reversible list of blocks, or the remat twin,
+    ``hk.layer_stack`` + ``hk.remat`` as a loop. A scan's body is counted
+    once, so neither twin scans.
     """
+    inside = []
 
     def unroll(next_f, args, kwargs, context):
         seq = context.module
-        if type(seq) is not Stage or context.method_name != "__call__":
+        if (
+            inside
+            or not isinstance(seq, blocks.ReversibleSequence)
+            or context.method_name != "__call__"
+        ):
             return next_f(*args, **kwargs)
-        ((block_fn,), (x,)) = seq.block_fns, args
-        layer = functools.partial(block_fn, **kwargs)
-        if not remat:
-            return blocks.ReversibleSequence([layer] * seq.num_layers)(x)
-        for i in range(seq.num_layers):
-            with hk.name_scope(f"layer_{i}"):
-                x = hk.remat(layer)(x)
-        return x
+        ((block_fn,), (x, *rest)) = seq.block_fns, args
+        layer = functools.partial(block_fn, *rest, **kwargs)
+        inside.append(seq)
+        try:
+            if not remat:
+                return blocks.ReversibleSequence([layer] * seq.num_layers)(x)
+            for i in range(seq.num_layers):
+                with hk.name_scope(f"layer_{i}"):
+                    x = hk.remat(layer)(x)
+            return x
+        finally:
+            inside.pop()
 
-    def forward(x):
+    def run(x):
         with hk.intercept_methods(unroll):
-            return blocks.ReversibleTransformer(
-                depth, num_heads=4, model_size=64, mlp_size=mlp_size
-            )(x, True)
+            return forward(x)
 
-    return hk.transform(forward)
+    return hk.transform_with_state(run)
 
 
-def block_flops(mlp_size: int, remat: bool) -> float:
+def transformer_forward(depth: int, mlp_size: int = 128):
+    return lambda x: blocks.ReversibleTransformer(
+        depth, num_heads=4, model_size=64, mlp_size=mlp_size
+    )(x, True)
+
+
+def conv_forward(depth: int):
+    # The peers' block: Conv2D - BatchNorm - ReLU - Conv2D on half the channels.
+    def residual(h):
+        h = hk.BatchNorm(True, True, 0.9)(hk.Conv2D(8, 3)(h), True)
+        return hk.Conv2D(8, 3)(jax.nn.relu(h))
+
+    block = lambda h: blocks.AdditiveCoupling(residual, residual)(h)  # noqa: E731
+    return lambda x: blocks.ReversibleSequence(block, depth)(x)
+
+
+def door_forward(depth: int):
+    # The front doors' block (benchmarks.front_doors), at a smaller width.
+    def residual(h):
+        h = jnp.tanh(hk.Linear(128)(hk.LayerNorm(-1, True, True)(h)))
+        return hk.Linear(32)(h)
+
+    block = lambda h: blocks.AdditiveCoupling(residual, residual)(h)  # noqa: E731
+    return lambda x: blocks.ReversibleSequence(block, depth)(x)
+
+
+def mlp_forward(depth: int):
+    # The MLP coupling stack of benchmarks.models: f and g are tanh(Linear).
+    def block(h):
+        f = lambda u: jnp.tanh(hk.Linear(32)(u))  # noqa: E731
+        return blocks.AdditiveCoupling(f, f)(h)
+
+    return lambda x: blocks.ReversibleSequence(block, depth)(x)
+
+
+BLOCKS = {
+    "transformer": (transformer_forward, (8, 64, 64)),
+    "conv": (conv_forward, (8, 8, 8, 16)),
+    "door": (door_forward, (128, 64)),
+    "mlp": (mlp_forward, (128, 64)),
+}
+
+
+def block_flops(model: str, remat: bool, **sizes) -> float:
     """FLOPs per layer of a training step: depth 2 minus depth 1."""
-    x = jax.ShapeDtypeStruct(SHAPES[transformer], jnp.float32)
+    make, shape = BLOCKS[model]
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
 
     def step_flops(depth):
-        net = unrolled_transformer(depth, mlp_size, remat)
-        params = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
+        net = unrolled(make(depth, **sizes), remat)
+        params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
 
-        def loss(params, x):
-            return jnp.sum(jnp.sin(net.apply(params, None, x)))
+        def loss(params, state, x):
+            return jnp.sum(jnp.sin(net.apply(params, state, None, x)[0]))
 
         with runtime_checks(False):
-            return flop_count(compiled(jax.grad(loss), params, x))
+            return flop_count(compiled(jax.grad(loss), params, state, x))
 
     return step_flops(2) - step_flops(1)
 
@@ -219,9 +271,11 @@ def test_transformer_flops_at_structural_bound(mlp_size):
     forward (conv), more where the MLP is wider. A duplicated projection,
     LayerNorm or softmax would exceed it.
     """
-    batch, time, model_size = SHAPES[transformer]
+    batch, time, model_size = BLOCKS["transformer"][1]
     last_linear = 2 * batch * time * mlp_size * (model_size // 2)
-    rev, remat = (block_flops(mlp_size, r) for r in (False, True))
+    rev, remat = (
+        block_flops("transformer", r, mlp_size=mlp_size) for r in (False, True)
+    )
     print(
         f"mlp {mlp_size}: reversible / remat {rev / remat:.4f}, "
         f"bound {(remat + last_linear) / remat:.4f}"
@@ -229,3 +283,22 @@ def test_transformer_flops_at_structural_bound(mlp_size):
     assert remat < rev <= remat + last_linear
     if mlp_size == 2 * model_size:  # L a quarter of the forward's matmuls
         assert rev / remat <= 1.07
+
+
+@pytest.mark.parametrize("model, bound", [("conv", 1.07), ("door", 1.07)])
+def test_block_flops_within_remat_bound(model, bound):
+    """Where G's last layer is a quarter of the block's forward, as in the
+    peers' conv block and the front doors' block, the reversible layer costs
+    at most 1.07x the ``layer_stack`` + remat layer, and more than it (the
+    layer really is run again)."""
+    rev, remat = (block_flops(model, r) for r in (False, True))
+    print(f"{model}: reversible / remat {rev / remat:.4f}")
+    assert remat < rev <= bound * remat
+
+
+def test_mlp_flops_equal_remat():
+    """With ``f`` and ``g`` each one ``tanh(Linear)``, remat recomputes all of
+    ``G`` too (tanh's VJP needs its output): the two layers cost the same."""
+    rev, remat = (block_flops("mlp", r) for r in (False, True))
+    print(f"mlp: reversible / remat {rev / remat:.4f}")
+    assert 0.995 * remat <= rev <= 1.005 * remat
