@@ -581,6 +581,25 @@ def test_flows_tiny_run_keeps_its_claims(tmp_path):
     assert results["flowjax"]
 
 
+@pytest.mark.parametrize("door", ["nnx", "equinox"])
+def test_budget_door_steps_compile_abstract_and_run(door):
+    """The budget's MLP steps of the NNX and Equinox doors (the tiny run takes
+    Haiku's): planned without running, then run, each plan growing with the
+    batch and the reversible one below remat's."""
+    pytest.importorskip({"nnx": "flax", "equinox": "equinox"}[door])
+    plans = {}
+    for method in ("reversible", "remat"):
+        spec = budget.spec_for("mlp", f"{door}/{method}", 2, 8, "tiny")
+        plans[method] = [
+            budget.plan_bytes({**spec, "batch": b})["temp_bytes"] for b in (8, 64)
+        ]
+        assert plans[method][1] > plans[method][0], plans
+        fn, args = budget.step(spec)
+        grads = jax.jit(fn)(*args)
+        assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    assert plans["reversible"][1] < plans["remat"][1], plans
+
+
 @pytest.mark.slow
 def test_budget_tiny_run_keeps_its_claims(tmp_path):
     """Each method's largest batch fits the budget and is what it says; the
