@@ -259,3 +259,15 @@ def _installed(name: str) -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+def test_help_names_every_front_door_and_its_framework():
+    """``help(revnet)`` shows the package docstring: it names every front door
+    and its framework, not Haiku's alone."""
+    text = " ".join(revnet.__doc__.split())
+    for framework, module in (
+        ("Haiku", "revnet.blocks"),
+        ("Flax NNX", "revnet.nnx"),
+        ("Equinox", "revnet.eqx"),
+    ):
+        assert re.search(rf"{framework}: :mod:`{re.escape(module)}`", text), module
