@@ -417,7 +417,7 @@ def markdown(results: dict, out: str) -> str:
                 frows = []
                 for m, f in per.items():
                     if "fault_bytes_per_step" not in f:
-                        frows.append([m, None, None, f.get("error")])
+                        frows.append([m, None, None, f.get("error"), None])
                         continue
                     plan = f["temp_bytes"] + f.get("output_bytes", 0)
                     frows.append(
@@ -426,15 +426,25 @@ def markdown(results: dict, out: str) -> str:
                             f["fault_bytes_per_step"] / MIB,
                             plan / MIB,
                             f["fault_bytes_per_step"] / max(plan, 1),
+                            f.get("step_rss_increase_mib"),
                         ]
                     )
                 lines += [
                     "",
                     f"Page faults per step at each method's largest "
-                    f"batch, default allocator, XLA `{setting}`:",
+                    f"batch, default allocator, XLA `{setting}`; the last "
+                    "column is the peak resident size during the timed steps "
+                    "over the resident size before them:",
                     "",
                     measure.table(
-                        ["method", "faulted MiB", "temp + out MiB", "ratio"], frows
+                        [
+                            "method",
+                            "faulted MiB",
+                            "temp + out MiB",
+                            "ratio",
+                            "peak RSS rise MiB",
+                        ],
+                        frows,
                     ),
                 ]
         drows = [[m, d["depth"]] for m, d in res["depths"].items()]
