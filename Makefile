@@ -92,8 +92,8 @@ demo: $(STAMP_EXP)
 	$(PY) -m benchmarks.demo --out results
 
 # Every benchmark of benchmarks/__init__.py at its --quick size, each in its own
-# process, into results/full/REPORT.md. Not timed with all 11: the 9 there were
-# before benchmarks.exact and benchmarks.flows were added (memory, speed,
+# process, into results/full/REPORT.md. Not timed with all 12: the 9 there were
+# before benchmarks.exact, .flows and .budget were added (memory, speed,
 # train, numerics, loops, overhead, decisions, sharding, front_doors) took
 # 22 min 43 s on 2 cores from a fresh clone, install included (then `make
 # demo`); exact and flows run on top of that. On 2 cores shared with other
