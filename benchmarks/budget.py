@@ -94,6 +94,7 @@ def methods(model: str) -> tuple[str, ...]:
 
 
 def baseline(model: str) -> str:
+    """The method the others are compared with: JAX's best same-FLOP one."""
     return BASELINE["door" if model == "mlp" else "haiku"]
 
 
