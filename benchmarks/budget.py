@@ -129,24 +129,24 @@ def _door_step(spec: dict[str, Any], abstract: bool):
     from benchmarks import front_doors
 
     door, method = spec["method"].split("/")
-    width = front_doors.WIDTH
-    x = jax.ShapeDtypeStruct((spec["batch"], width), jax.numpy.float32)
-    small = jax.numpy.zeros((1, width))
     build = front_doors.BUILDERS[door][1]
-    grads: dict[str, Any] = {}
+    grads: list[Any] = []
 
-    def make(x1):
-        steps = build(spec["depth"], x1)
-        grads.update({m: g for m, (g, _) in steps.items()})
-        return steps[method][1][0]
+    def make(x1):  # the parameters do not depend on the batch
+        grad, (params, _) = build(spec["depth"], x1)[method]
+        grads.append(grad)
+        return params
 
-    params = jax.eval_shape(make, small) if abstract else None
-    if not abstract:
-        grad, (params, _) = build(spec["depth"], small)[method]
-        grads[method] = grad
-        x = jax.random.normal(jax.random.key(1), (spec["batch"], width))
+    small = jax.numpy.zeros((1, front_doors.WIDTH))
+    shape = (spec["batch"], front_doors.WIDTH)
+    if abstract:
+        params = jax.eval_shape(make, small)
+        x = jax.ShapeDtypeStruct(shape, jax.numpy.float32)
+    else:
+        params = make(small)
+        x = jax.random.normal(jax.random.key(1), shape)
 
-    def fn(*args, grad=grads[method]):
+    def fn(*args, grad=grads[-1]):
         return grad(*args)
 
     return fn, (params, x)
