@@ -28,7 +28,10 @@ the default allocator, under XLA's default CPU fusions and with its YNN
 fusions off (:data:`NO_YNN`). ``--device gpu`` measures on the GPU.
 
     python -m benchmarks.budget [--quick | --tiny] [--out results] [--device gpu]
-        [--models transformer,mlp,conv]
+        [--models transformer,mlp,conv] [--budgets 64,256]
+
+On a GPU (``--device gpu``, JAX's default backend must be CUDA) the full size
+uses budgets of 256 MiB and 1 GiB, since a GPU fits far larger batches.
 """
 
 from __future__ import annotations
@@ -69,6 +72,17 @@ SIZES: dict[str, dict[str, Any]] = {
         "depth_cap": 1024,
         "batch_cap": 1 << 16,
         "repeats": 3,
+    },
+    # --device gpu: a GPU fits batches far beyond a CPU's, and only a bigger
+    # batch raises its utilisation, so the budgets are larger.
+    "gpu": {
+        "models": ("transformer", "mlp", "conv"),
+        "depth": 32,
+        "budgets_mib": (256, 1024),
+        "depth_batch": 8,
+        "depth_cap": 4096,
+        "batch_cap": 1 << 18,
+        "repeats": 7,
     },
     "tiny": {
         "models": ("transformer", "mlp"),
@@ -253,9 +267,13 @@ def largest(model, method, depth, batch, size, budget, axis, cap) -> dict[str, A
     return {axis: n, "probes": probes, **(seen.get(n) or {})}
 
 
-def measure_model(model: str, size: str, device: str) -> dict[str, Any]:
+def measure_model(
+    model: str, size: str, device: str, budgets_mib: Sequence[int] | None = None
+) -> dict[str, Any]:
     """Every figure of one model (see the module docstring)."""
-    cfg = SIZES[size]
+    cfg = dict(SIZES[size])
+    if budgets_mib:
+        cfg["budgets_mib"] = tuple(budgets_mib)
     depth, names, base = cfg["depth"], methods(model), baseline(model)
     names = tuple(m for m in names if m in cfg.get("only", names))
     env = PINNED if device == "cpu" else {}
@@ -328,6 +346,30 @@ def _models(text: str) -> list[str]:
     return names
 
 
+def _require_gpu() -> None:
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(
+            f"--device gpu: JAX's default backend is {jax.default_backend()}; "
+            "install JAX with CUDA, or leave --device out",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        got = tuple(int(n) for n in text.split(",") if n)
+    except ValueError:
+        got = ()
+    if not got or min(got) <= 0:
+        raise argparse.ArgumentTypeError(f"not positive MiB: {text!r}")
+    return got
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Measures every model; writes ``<out>/budget.json``."""
     from benchmarks import measure
@@ -337,8 +379,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.add_argument(
             "--models", type=_models, default=None, help="a,b of transformer,mlp,conv"
         )
+        parser.add_argument(
+            "--budgets", type=_budgets, default=None, help="MiB,MiB (the size's)"
+        )
 
     args = measure.parse(__doc__, argv, add)
+    if args.device == "gpu":
+        _require_gpu()
+        if args.size == "full":
+            args.size = "gpu"
     results = {
         "size": args.size,
         "device": args.device,
@@ -346,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "timing_env": PINNED if args.device == "cpu" else {},
         "no_ynn_env": NO_YNN,
         "models": [
-            measure_model(m, args.size, args.device)
+            measure_model(m, args.size, args.device, args.budgets)
             for m in args.models or SIZES[args.size]["models"]
         ],
     }

@@ -706,3 +706,23 @@ def test_demo_report_from_stored_results_states_sizes_and_time_medians():
     assert f"median of {sizes['repeats']} timings" in text
     assert "| reversible (revnet) | 40 |" in text
     assert "test acc. reversible" in text
+
+
+def test_budget_refuses_a_gpu_run_without_a_gpu_and_bad_budgets():
+    """``--device gpu`` on a CPU-only JAX ends at once with one line naming
+    the backend; ``--budgets`` takes positive MiB only."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "REVNET_RUNTIME_CHECKS": "0"}
+    for argv, want in (
+        (["--device", "gpu"], "--device gpu: JAX's default backend is cpu"),
+        (["--budgets", "64,0"], "not positive MiB: '64,0'"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.budget", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert want in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert budget._budgets("64,256") == (64, 256)

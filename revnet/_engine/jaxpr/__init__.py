@@ -20,10 +20,12 @@ One file a concern: :mod:`.atoms` (variables, literals, abstract values),
 installs), :mod:`.hijax` (JAX's hijax primitives), :mod:`.calls` (nested-call
 equations), :mod:`.branches` (``cond``, ``while``), :mod:`.scans`,
 :mod:`.sharded` (``shard_map``), :mod:`.evaluate` (binding equations),
-:mod:`.source` (source lines) and :mod:`.rewrite` (building equations).
+:mod:`.source` (source lines), :mod:`.rewrite` (building equations) and
+:mod:`.version` (the JAX releases it is written for).
 """
 
-from revnet._engine.jaxpr import vmappable
+# version first: importing it refuses a JAX release this package cannot read.
+from revnet._engine.jaxpr import version, vmappable
 from revnet._engine.jaxpr.atoms import (
     Jaxpr,
     JaxprEqn,
@@ -156,6 +158,7 @@ __all__ = [
     "sharding_key",
     "splice",
     "stacked",
+    "version",
     "vmappable",
     "struct",
     "tag",
