@@ -85,6 +85,7 @@ def _stack_fn(
     per_layer: PerLayer | Sequence[PerLayer],
     options: StackOptions,
     name: str,
+    length: int | None = None,
 ) -> Callable[[jax.Array], tuple[jax.Array, Any]]:
     """The function ``h -> (y, new_state)`` of the whole stack, closing over
     ``per_layer``; anchored, it is a :func:`revnet.scan` of its own."""
@@ -104,13 +105,16 @@ def _stack_fn(
                     body,
                     h,
                     tuple(per_layer),
+                    length=length,
                     mode="invert",
                     decisions=options.decisions,
                     kinks=options.kinks,
                     anchor_every=options.anchor_every,
                     drift=options.drift,
                 )
-            return jax.lax.scan(body, h, tuple(per_layer))
+            # length: a block without parameters, state or keys has nothing
+            # stacked to give the scan its number of layers.
+            return jax.lax.scan(body, h, tuple(per_layer), length=length)
 
     else:
         if anchored:
@@ -146,6 +150,7 @@ def run_stack(
     options: StackOptions = DEFAULTS,
     *,
     name: str = "stack",
+    length: int | None = None,
 ) -> tuple[jax.Array, Any]:
     """Runs a stack of shape-preserving layers, reversibly by default.
 
@@ -160,6 +165,8 @@ def run_stack(
         front door that made them): reversibly or not, with anchors or a
         drift monitor, its decisions and kinks, the stream's sharding.
       name: Name of the stack in error messages (the front door's module).
+      length: The number of stacked layers (needed when ``per_layer`` holds
+        no arrays: a block without parameters); ignored for a list.
 
     Returns:
       ``(y, new_state)``: the last layer's output and the layers' new state,
@@ -180,7 +187,7 @@ def run_stack(
     >>> y.shape
     (2, 8)
     """
-    stack = _stack_fn(layer, per_layer, options, name)
+    stack = _stack_fn(layer, per_layer, options, name, length)
     if not options.anchors:
         stack = _reversible(stack, options)
     return stack(h)
@@ -202,6 +209,7 @@ def run_stack_with_log_det(
     *,
     name: str = "stack",
     batch_ndim: int = 1,
+    length: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs a stack of flow steps: ``(y, log_det)``, one log-determinant per
     example (the leading axis of ``h``), derived from the program; with
@@ -220,6 +228,7 @@ def run_stack_with_log_det(
         supported here.
       name: Name of the stack in error messages.
       batch_ndim: 1, or 0 for one example.
+      length: As for :func:`run_stack`.
 
     Returns:
       ``(y, log_det)``, ``log_det`` of shape ``[batch]`` (a scalar for one
@@ -246,7 +255,7 @@ def run_stack_with_log_det(
             f"{name}: forward_and_log_det runs the stack in one reversible call; "
             "it takes no anchor_every or drift (build the flow without them)."
         )
-    stack = _stack_fn(layer, per_layer, options, name)
+    stack = _stack_fn(layer, per_layer, options, name, length)
 
     def outputs(h):
         y, new_state = stack(h)
@@ -269,6 +278,7 @@ def invert_stack(
     options: StackOptions = DEFAULTS,
     *,
     name: str = "stack",
+    length: int | None = None,
 ) -> jax.Array:
     """Rebuilds the input of :func:`run_stack` from its output ``y``.
 
@@ -280,6 +290,7 @@ def invert_stack(
       options: The options given to :func:`run_stack`; only the stream's
         sharding matters here (the inverse stores and decides nothing).
       name: Name of the stack in error messages.
+      length: As for :func:`run_stack`.
 
     Returns:
       The input ``h`` with ``run_stack(layer, per_layer, h)[0] == y`` (up to
@@ -299,7 +310,7 @@ def invert_stack(
     True
     """
     plain = StackOptions(activation_sharding=options.activation_sharding)
-    stack = _stack_fn(layer, per_layer, plain, name)
+    stack = _stack_fn(layer, per_layer, plain, name, length)
 
     def outputs(h):
         return stack(h)[0]

@@ -199,7 +199,12 @@ class ReversibleSequence(OptionViews, hk.Module):
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._layers(x, args, kwargs)
         y, new_states = run_stack(
-            layer, per_layer, x, self.options, name=self.module_name
+            layer,
+            per_layer,
+            x,
+            self.options,
+            name=self.module_name,
+            length=self.num_layers,
         )
         self._compute.check_used(self.module_name)
         if self._stacked:
@@ -235,7 +240,12 @@ class ReversibleSequence(OptionViews, hk.Module):
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._layers(x, args, kwargs)
         out = run_stack_with_log_det(
-            layer, per_layer, x, self.options, name=self.module_name
+            layer,
+            per_layer,
+            x,
+            self.options,
+            name=self.module_name,
+            length=self.num_layers,
         )
         self._compute.check_used(self.module_name)
         return out
@@ -261,7 +271,14 @@ class ReversibleSequence(OptionViews, hk.Module):
         """
         y = constrain(y, self.activation_sharding)
         layer, per_layer = self._layers(y, args, kwargs)
-        x = invert_stack(layer, per_layer, y, self.options, name=self.module_name)
+        x = invert_stack(
+            layer,
+            per_layer,
+            y,
+            self.options,
+            name=self.module_name,
+            length=self.num_layers,
+        )
         self._compute.check_used(self.module_name)
         return x
 

@@ -294,7 +294,9 @@ class ReversibleSequence(OptionViews, eqx.Module):
         state)`` when given ``state``."""
         layer, per_layer = self._per_layer(x, state, key, "__call__")
         x = constrain(x, self.activation_sharding)
-        y, new_substates = run_stack(layer, per_layer, x, self.options, name=_NAME)
+        y, new_substates = run_stack(
+            layer, per_layer, x, self.options, name=_NAME, length=self.num_layers
+        )
         if state is None:
             return y
         for sub in (new_substates,) if self.stacked else new_substates:
@@ -337,7 +339,13 @@ class ReversibleSequence(OptionViews, eqx.Module):
             check_input(f"{_NAME}.{where}", x, min_rank=1, expected="[...]")
             layer, per_layer = self._per_layer(x, state, key, where)
             return run_stack_with_log_det(
-                layer, per_layer, x, self.options, name=_NAME, batch_ndim=0
+                layer,
+                per_layer,
+                x,
+                self.options,
+                name=_NAME,
+                length=self.num_layers,
+                batch_ndim=0,
             )
         # Each example's stack is its own reversible call, vmapped under the
         # batch axis: its log-determinant is that example's (a batched
@@ -360,7 +368,13 @@ class ReversibleSequence(OptionViews, eqx.Module):
             else:
                 per = per_layer
             return run_stack_with_log_det(
-                layer, per, h, self.options, name=_NAME, batch_ndim=0
+                layer,
+                per,
+                h,
+                self.options,
+                name=_NAME,
+                length=self.num_layers,
+                batch_ndim=0,
             )
 
         x = constrain(x, self.activation_sharding)
@@ -414,4 +428,6 @@ class ReversibleSequence(OptionViews, eqx.Module):
         """
         layer, per_layer = self._per_layer(y, state, key, "inverse")
         y = constrain(y, self.activation_sharding)
-        return invert_stack(layer, per_layer, y, self.options, name=_NAME)
+        return invert_stack(
+            layer, per_layer, y, self.options, name=_NAME, length=self.num_layers
+        )

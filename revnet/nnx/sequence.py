@@ -218,7 +218,9 @@ class ReversibleSequence(OptionViews, nnx.Module):
         check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        y, new_state = run_stack(layer, per_layer, x, self.options, name=_NAME)
+        y, new_state = run_stack(
+            layer, per_layer, x, self.options, name=_NAME, length=self.num_layers
+        )
         if self._stacked:
             nnx.update(self.layers, new_state)
         else:
@@ -249,7 +251,9 @@ class ReversibleSequence(OptionViews, nnx.Module):
         check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        return run_stack_with_log_det(layer, per_layer, x, self.options, name=_NAME)
+        return run_stack_with_log_det(
+            layer, per_layer, x, self.options, name=_NAME, length=self.num_layers
+        )
 
     def initialize(self, x: jax.Array) -> jax.Array:
         """Initialises the blocks' data-dependent layers (:class:`ActNorm`)
@@ -313,4 +317,6 @@ class ReversibleSequence(OptionViews, nnx.Module):
         check_input(_NAME, y, min_rank=1, expected="[batch, ...]")
         y = constrain(y, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        return invert_stack(layer, per_layer, y, self.options, name=_NAME)
+        return invert_stack(
+            layer, per_layer, y, self.options, name=_NAME, length=self.num_layers
+        )

@@ -250,6 +250,77 @@ def test_compute_dtype_keeps_memory_flat_in_depth(door, model):
     assert deep <= 1.1 * small, (small, deep)
 
 
+def _parameterless(x):
+    a, b = jnp.split(x, 2, -1)
+    b = b + jnp.tanh(a)
+    return jnp.concatenate([a + jnp.sin(b), b], -1)
+
+
+def _parameterless_stack(name, depth):
+    """``(apply, inverse)`` of a door's stack of ``depth`` blocks that hold
+    no parameters, state or keys: nothing stacked gives the scan its length."""
+    load(name)  # skips without the framework
+    if name == "haiku":
+        import haiku as hk
+
+        import revnet.blocks as rb
+
+        t = hk.transform(lambda x: rb.ReversibleSequence(_parameterless, depth)(x))
+        inv = hk.transform(
+            lambda y: rb.ReversibleSequence(_parameterless, depth).inverse(y)
+        )
+        params = t.init(KEY, jnp.ones([2, 4]))
+        return (lambda x: t.apply(params, KEY, x)), (
+            lambda y: inv.apply(params, KEY, y)
+        )
+    if name == "nnx":
+        from flax import nnx
+
+        import revnet.nnx as rn
+
+        class Block(nnx.Module):
+            def __init__(self, *, rngs):
+                del rngs
+
+            def __call__(self, x):
+                return _parameterless(x)
+
+        m = rn.ReversibleSequence(Block, depth, rngs=nnx.Rngs(0))
+        return m, m.inverse
+    import equinox as eqx
+
+    import revnet.eqx as re
+
+    class Block(eqx.Module):
+        def __call__(self, x, key=None):
+            return _parameterless(x)
+
+    m = re.ReversibleSequence(lambda key: Block(), num_layers=depth, key=KEY)
+    return m, m.inverse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_blocks_without_parameters_equal_plain_autodiff(door, dtype):
+    """A stack of blocks that hold nothing (NNX once failed: no stacked leaf
+    told the scan how many layers to run) has plain JAX's gradient and
+    inverts."""
+    with x64(dtype):
+        apply, inverse = _parameterless_stack(door, 3)
+        x = jax.random.normal(KEY, (2, 4), dtype)
+
+        def plain(x):
+            for _ in range(3):
+                x = _parameterless(x)
+            return x
+
+        rtol = tolerance(dtype)
+        assert_trees_close(apply(x), plain(x), rtol, "output")
+        got = jax.grad(lambda x: jnp.sum(jnp.sin(apply(x))))(x)
+        want = jax.grad(lambda x: jnp.sum(jnp.sin(plain(x))))(x)
+        assert_trees_close(got, want, rtol, "input gradient")
+        assert_trees_close(inverse(apply(x)), x, rtol, "inverse")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_list_of_different_blocks_equals_the_twin(door, dtype):
     with x64(dtype):
