@@ -135,8 +135,9 @@ def exposed_plan(
     try:
         return exposed, _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
     except NotInvertibleError:
-        # A continuous select on the inverted path is solved with its
-        # predicate known: store those predicates too.
+        # A continuous select on the inverted path whose predicate is not
+        # computed from its rebuilt cases is solved with its predicate known:
+        # store those predicates too.
         strict = expose(jaxpr, rebuilt, **kw, soft=False)
         try:
             return strict, _plan(strict.jaxpr, n_consts, n_args, paths, fname)

@@ -121,9 +121,10 @@ def expose(
       decisions: ``"store"``, or ``"recompute"`` to leave ``jaxpr`` as it is.
       kinks: ``"store"`` to store the branch of every kink too.
       soft: False to store the predicates of continuous selects too: a select
-        on the inverted path (``where(x > 0, 2 * x, x / 2)`` of the stream) is
-        solved for its cases only with its predicate known. Callers retry with
-        False when the analysis is stuck.
+        on the inverted path whose predicate is not a function of the value
+        its cases are rebuilt from is solved only with its predicate known
+        (``where(x > 0, 2 * x, x / 2)`` of the stream is decided from the
+        rebuilt ``x``). Callers retry with False when the analysis is stuck.
 
     Returns:
       The rewritten jaxpr, the number of appended outputs and what each is;

@@ -177,11 +177,18 @@ class Select:
     ``(eqn, "select_n", case position)``, so one case may head several
     branches. Where the predicates pick a branch, its reconstruction is exact;
     the results are merged with the same predicates.
+
+    An unknown predicate (``jnp.where(x > 0, x, 0.1 * x)``, leaky ReLU) that
+    the equations ``pred_eqns`` compute from ``vars`` and known values is
+    decided by consistency: each branch's candidate is kept where the
+    predicate, evaluated on that candidate, picks that branch. For an
+    injective select exactly one branch is consistent at each position.
     """
 
     eqn: int
     vars: tuple[int, ...]
     branches: tuple[tuple[int, tuple[tuple[int, str, int], ...]], ...]
+    pred_eqns: tuple[int, ...] = ()
 
 
 Step = Forward | Solve | Custom | Call | Scan | ScanAux | Tile | Select

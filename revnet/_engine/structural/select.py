@@ -1,4 +1,4 @@
-"""The structural rule for ``select_n`` with a known predicate.
+"""The structural rule for ``select_n``.
 
 ``select_n(pred, *cases)`` (``jnp.where``) with a known predicate: each case is
 inverted separately from the selected output, by a chain of *position-wise*
@@ -8,6 +8,12 @@ recorded on each rule in the registry), structural equations whose rule's
 and nested selects with a known predicate, which fork the chain. Where the
 predicates pick a chain, its reconstruction is exact; the results are merged
 with the predicates.
+
+An unknown predicate computed from the common values alone (leaky ReLU's
+``x > 0``) is decided by consistency: every branch's candidate is rebuilt,
+the predicate is evaluated on it, and a candidate is kept where its own
+branch is picked. For an injective select that is exactly one branch at each
+position; where none is (an output no input maps to), the result is NaN.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, registry, runtime_checks
 from revnet._engine.analysis import Analysis, abstract_solve
 from revnet._engine.errors import NotInvertibleError, degenerate
-from revnet._engine.interpreter import Handler, register_handler
+from revnet._engine.interpreter import Handler, apply_eqn, register_handler
 from revnet._engine.plan import Select
 
 
@@ -30,9 +36,6 @@ class SelectRule(registry.StructuralRule):
             return None
         ids = an.wiring.eqn_ins[i]
         cases = list(dict.fromkeys(ids[1:]))
-        if not an.is_known(ids[0]):
-            an.fail(i, eqn, "the predicate of select_n is unknown")
-            return None
         if any(an.is_known(c) for c in cases):
             an.fail(
                 i,
@@ -56,7 +59,37 @@ class SelectRule(registry.StructuralRule):
                 "value",
             )
             return None
-        return Select(i, tuple(common), tuple(branches)), common, (i,)
+        pred_eqns: tuple[int, ...] = ()
+        if not an.is_known(ids[0]):
+            found = _predicate_from(an, ids[0], common)
+            if found is None:
+                an.fail(
+                    i,
+                    eqn,
+                    "the predicate of select_n is unknown, and not a function of "
+                    "the values its cases are rebuilt from",
+                )
+                return None
+            pred_eqns = found
+        step = Select(i, tuple(common), tuple(branches), pred_eqns)
+        return step, common, (i,)
+
+
+def _predicate_from(an, pred, common):
+    """The equations, in program order, that compute ``pred`` from ``common``
+    and known values; None if it reads anything else."""
+    w, need, found, have = an.wiring, [pred], set(), set(common)
+    while need:
+        v = need.pop()
+        if v is None or v in have or an.is_known(v):
+            continue
+        j = an.eqn_of.get(v)
+        if j is None:
+            return None
+        if j not in found:
+            found.add(j)
+            need.extend(w.eqn_ins[j])
+    return tuple(sorted(found))
 
 
 def _chain_to(an, case, shape):
@@ -149,7 +182,17 @@ def positionwise_path(jaxpr, known_in, out: int, target: int) -> bool:
 class _SelectHandler(Handler):
     def needs(self, it, step):
         w = it.wiring
-        needs = [w.eqn_ins[step.eqn][0], *w.eqn_outs[step.eqn]]
+        needs = [*w.eqn_outs[step.eqn]]
+        if step.pred_eqns:  # the known inputs of the predicate's equations
+            made = {o for j in step.pred_eqns for o in w.eqn_outs[j]}
+            for j in step.pred_eqns:
+                needs += [
+                    v
+                    for v in w.eqn_ins[j]
+                    if v is not None and v not in made and v not in step.vars
+                ]
+        else:
+            needs.append(w.eqn_ins[step.eqn][0])
         for _, chain in step.branches:
             for j, name, u in chain:
                 if name == "select_n":
@@ -160,12 +203,16 @@ class _SelectHandler(Handler):
 
     def run(self, it, step, out_cts):
         w, eqns = it.wiring, it.jaxpr.eqns
-        pred = it.read_in(step.eqn, 0)
+        pred = None if step.pred_eqns else it.read_in(step.eqn, 0)
         y = it.read(w.eqn_outs[step.eqn][0])
         ids = w.eqn_ins[step.eqn]
         merged: dict = {}
+        # With an unknown predicate: where some branch is consistent, and
+        # where two are with different values (the select is not injective).
+        anywhere = ambiguous = None
         for pos, chain in step.branches:
-            where = pred == pos - 1  # where this leaf's values are exact
+            # where this leaf's values are exact
+            where = True if pred is None else pred == pos - 1
             local = {ids[pos]: y}
             for j, name, u in chain:
                 e = eqns[j]
@@ -191,12 +238,50 @@ class _SelectHandler(Handler):
                     [y, *[x for x in ins if x is not None]],
                     degenerate(e),
                 )
+            if pred is None:
+                picked = _predicate_at(it, step, local)
+                where = where & (picked == pos - 1)
+                if anywhere is not None:  # two consistent, different candidates
+                    for v in step.vars:
+                        clash = where & anywhere & (local[v] != merged[v])
+                        ambiguous = clash if ambiguous is None else ambiguous | clash
+                anywhere = where if anywhere is None else anywhere | where
             for v in step.vars:
                 old = merged.get(v)
                 merged[v] = local[v] if old is None else jnp.where(where, local[v], old)
         for v in step.vars:
-            it.set([v], [merged[v]])
+            value = merged[v]
+            if anywhere is not None and jnp.issubdtype(value.dtype, jnp.inexact):
+                ok = anywhere if ambiguous is None else anywhere & ~ambiguous
+                value = jnp.where(ok, value, jnp.nan)
+                runtime_checks.record([value], [y], _not_one_case(eqns[step.eqn]))
+            it.set([v], [value])
         return None
+
+
+def _not_one_case(eqn) -> str:
+    where = jx.where(eqn)
+    return (
+        f"`select_n`{f' at {where}' if where else ''}: no input, or more than "
+        "one, maps to an output (NaN there), so its predicate cannot be decided "
+        "from the rebuilt value: the select is not injective (as "
+        "where(x > 0, x, -x)), or the output is outside its range"
+    )
+
+
+def _predicate_at(it, step, local):
+    """The predicate of ``step``'s select, evaluated on one branch's candidate
+    values ``local`` (the known inputs of its equations as they are)."""
+    w, env = it.wiring, {v: local[v] for v in step.vars}
+    for j in step.pred_eqns:
+        e = it.jaxpr.eqns[j]
+        ins = [
+            env[v] if v in env else it.read_in(j, n) for n, v in enumerate(w.eqn_ins[j])
+        ]
+        for o, val in zip(w.eqn_outs[j], apply_eqn(e, ins)):
+            if o is not None:
+                env[o] = val
+    return env[w.eqn_ins[step.eqn][0]]
 
 
 class _SelectTerms(log_det.TermRule):

@@ -1,0 +1,116 @@
+"""``select_n`` whose predicate is computed from the value it selects on
+(revnet/_engine/structural/select.py): leaky ReLU and its kin are inverted by
+consistency, store nothing, and a select that is not injective is reported."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import revnet
+from tests.helpers import (
+    assert_trees_close,
+    check_against_autodiff,
+    runtime_checks,
+    tolerance,
+)
+
+DTYPES = ["float32", "float64"]
+# Injective selects whose predicate reads the selected-on value itself.
+SELECTS = {
+    "leaky_relu": lambda x: jax.nn.leaky_relu(x, 0.1),
+    "where_gt": lambda x: jnp.where(x > 0, x, 0.1 * x),
+    "two_pieces": lambda x: jnp.where(x >= 0, 2 * x + 1, jnp.exp(x)),
+    "jump": lambda x: jnp.where(x > 1, 3 * x - 2, x / 2),
+    "negative_slope": lambda x: jnp.where(x < 0.5, -x, 0.5 - 2 * x),
+}
+
+
+def _x(dtype):
+    finfo = jnp.finfo(dtype)
+    edges = [0.0, -0.0, finfo.tiny, -finfo.tiny, 1.0, 0.5, -1.0, 1e-30, -1e-30]
+    rand = jax.random.uniform(jax.random.key(0), (24,), dtype, -4, 4)
+    return jnp.concatenate([jnp.asarray(edges, dtype), rand])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(SELECTS))
+def test_inverse_decides_the_predicate_from_the_rebuilt_value(name, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        f, x = SELECTS[name], _x(dtype)
+        (back,) = revnet.inverse(f, x)(f(x))
+        # Exact up to the rounding of each case's inverse.
+        np.testing.assert_allclose(back, x, rtol=tolerance(dtype), atol=1e-30)
+        assert jnp.all(jnp.isfinite(back))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["leaky_relu", "two_pieces", "negative_slope"])
+def test_gradients_equal_autodiff_and_nothing_is_stored(name, dtype):
+    """On the stream, a continuous select (a kink) is inverted without its
+    predicate, so no mask is kept per layer; gradients are plain JAX's."""
+    with jax.enable_x64(dtype == "float64"):
+        x = jax.random.uniform(jax.random.key(1), (3, 8), dtype, -2, 2)
+
+        def f(x):
+            for _ in range(4):
+                x = SELECTS[name](x) * 1.5 + 0.1
+            return x
+
+        check_against_autodiff(f, x)
+        kept = revnet.stored(revnet.invertible(f), x)
+        assert [k.kind for k in kept.entries] == ["output"], kept
+
+
+def test_a_jump_is_still_stored_by_default():
+    """A real decision (the cases differ where the predicate switches) keeps
+    its stored predicate: the backward pass follows the forward's branch."""
+    f = SELECTS["jump"]
+    x = jnp.linspace(-3.0, 3.0, 16)
+    kept = revnet.stored(revnet.invertible(f), x)
+    assert "decision" in [k.kind for k in kept.entries], kept
+    check_against_autodiff(f, x)
+    # Recomputed, it is decided from the rebuilt value instead.
+    g = revnet.invertible(f, decisions="recompute")
+    assert_trees_close(
+        jax.grad(lambda x: g(x).sum())(x),
+        jax.grad(lambda x: f(x).sum())(x),
+        tolerance("float32"),
+        "gradient",
+    )
+
+
+def test_a_select_that_is_not_injective_gives_nan_and_is_reported():
+    def f(x):
+        return jnp.where(x > 0, x, -x)  # |x|: two inputs per output
+
+    x = jnp.array([-2.0, 0.0, 3.0])
+    with runtime_checks(False):
+        (back,) = revnet.inverse(f, x)(f(x))
+    assert jnp.isnan(back[0]) and jnp.isnan(back[2]) and back[1] == 0, back
+    with runtime_checks(True):
+        with pytest.raises(revnet.NotInvertibleError) as err:
+            jax.block_until_ready(revnet.inverse(f, x)(f(x)))
+    text = str(err.value)
+    assert "`select_n` at" in text and "test_select.py" in text, text
+    assert "not injective" in text and "\n" not in text
+
+
+def test_an_output_outside_the_range_gives_nan():
+    f = SELECTS["two_pieces"]  # maps onto (0, inf): -1 is no output
+    x = jnp.zeros(3)
+    with runtime_checks(False):
+        (back,) = revnet.inverse(f, x)(jnp.array([-1.0, 0.5, 2.0]))
+    assert jnp.isnan(back[0]), back
+    np.testing.assert_allclose(back[1:], [np.log(0.5), 0.5], rtol=1e-6)
+
+
+def test_a_predicate_reading_another_unknown_is_still_refused():
+    def f(x, y):  # y is rebuilt from x, x by a select on y
+        return jnp.where(y > 0, 2 * x, x / 2), y + x
+
+    x = jnp.ones(3)
+    with pytest.raises(revnet.NotInvertibleError, match="not a function of the "):
+        revnet.inverse(f, x, x)
