@@ -21,6 +21,9 @@ DTYPES = ["float32", "float64"]
 # Injective selects whose predicate reads the selected-on value itself.
 SELECTS = {
     "leaky_relu": lambda x: jax.nn.leaky_relu(x, 0.1),
+    # A nested "safe where" on the same predicate inside one case.
+    "elu": jax.nn.elu,
+    "selu": jax.nn.selu,
     "where_gt": lambda x: jnp.where(x > 0, x, 0.1 * x),
     "two_pieces": lambda x: jnp.where(x >= 0, 2 * x + 1, jnp.exp(x)),
     "jump": lambda x: jnp.where(x > 1, 3 * x - 2, x / 2),
@@ -47,7 +50,7 @@ def test_inverse_decides_the_predicate_from_the_rebuilt_value(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["leaky_relu", "two_pieces", "negative_slope"])
+@pytest.mark.parametrize("name", ["leaky_relu", "elu", "two_pieces", "negative_slope"])
 def test_gradients_equal_autodiff_and_nothing_is_stored(name, dtype):
     """On the stream, a continuous select (a kink) is inverted without its
     predicate, so no mask is kept per layer; gradients are plain JAX's."""
@@ -114,3 +117,26 @@ def test_a_predicate_reading_another_unknown_is_still_refused():
     x = jnp.ones(3)
     with pytest.raises(revnet.NotInvertibleError, match="not a function of the "):
         revnet.inverse(f, x, x)
+
+
+def test_a_case_undefined_elsewhere_does_not_trip_the_run_time_checks():
+    """The exp case's inverse (log) is NaN where x is negative, but that
+    candidate is not the one kept: checks only look where a case is picked."""
+
+    def f(x):
+        return jnp.where(x > 0, jnp.exp(x), x)
+
+    x = jnp.array([-3.0, -0.5, 0.25, 2.0])
+    with runtime_checks(True):
+        (back,) = jax.block_until_ready(revnet.inverse(f, x)(f(x)))
+    np.testing.assert_allclose(back, x, rtol=1e-6)
+
+
+def test_candidates_rounded_across_a_continuous_switch_are_kept():
+    """selu(tiny): one candidate flushes to zero, the other stays tiny; both
+    are the switching point to rounding, so the value is kept, not NaN."""
+    tiny = jnp.finfo(jnp.float32).tiny
+    x = jnp.array([tiny, -tiny, 0.0])
+    with runtime_checks(True):
+        (back,) = jax.block_until_ready(revnet.inverse(jax.nn.selu, x)(jax.nn.selu(x)))
+    np.testing.assert_allclose(back, x, atol=2 * tiny)

@@ -47,7 +47,8 @@ class SelectRule(registry.StructuralRule):
         shape = tuple(jx.aval(eqn.outvars[0]).shape)
         branches, reached = [], []
         for case in cases:
-            for chain, local in _chain_to(an, case, shape):
+            same = (ids[0], ids.index(case, 1))
+            for chain, local in _chain_to(an, case, shape, same):
                 branches.append((ids.index(case, 1), chain))
                 reached.append(local)
         common = [v for v in reached[0] if all(v in r for r in reached[1:])]
@@ -92,13 +93,16 @@ def _predicate_from(an, pred, common):
     return tuple(sorted(found))
 
 
-def _chain_to(an, case, shape):
+def _chain_to(an, case, shape, same=None):
     """Position-wise solves from ``case`` back towards known values.
 
     Returns one ``(chain, local)`` per leaf: a nested ``select_n`` with a known
     predicate forks the walk, one leaf per case, recorded in the chain as
     ``(eqn, "select_n", case position)``. ``local`` lists the variables the
     chain rebuilds, each exact where every select on the way picks that leaf.
+    ``same`` is ``(pred, position)`` of the outer select's unknown predicate
+    and this case: a nested select on that very predicate (the safe ``where``
+    inside ``jax.nn.elu``) picks the same position, and is followed there.
     """
     w, steps, local, v = an.wiring, (), (case,), case
     while (j := an.eqn_of.get(v)) is not None:
@@ -106,6 +110,16 @@ def _chain_to(an, case, shape):
         name = jx.primitive_name(e)
         if not all(o in local for o in w.eqn_outs[j]):
             break
+        if name == "select_n" and same is not None and _on_same(an, j, same):
+            u_id = w.eqn_ins[j][same[1]]
+            if u_id is None or an.is_known(u_id) or u_id in local:
+                break
+            if tuple(an.avals[u_id].shape) != shape:
+                break
+            steps += ((j, name, same[1]),)
+            v = u_id
+            local += (v,)
+            continue
         if name == "select_n":
             forks = _forks(an, j, local, shape)
             if forks is None:
@@ -113,7 +127,7 @@ def _chain_to(an, case, shape):
             leaves = []
             for u in forks:
                 u_id = w.eqn_ins[j][u]
-                for chain, reached in _chain_to(an, u_id, shape):
+                for chain, reached in _chain_to(an, u_id, shape, same):
                     leaves.append(((*steps, (j, name, u), *chain), local + reached))
             return leaves
         u = _position_step(an, j, e, local, shape)
@@ -123,6 +137,12 @@ def _chain_to(an, case, shape):
         v = w.eqn_ins[j][u]
         local += (v,)
     return [(steps, local)]
+
+
+def _on_same(an, j, same) -> bool:
+    """Whether select ``j`` reads the outer select's unknown predicate."""
+    ids = an.wiring.eqn_ins[j]
+    return ids[0] == same[0] and not an.is_known(same[0]) and len(ids) > same[1]
 
 
 def _forks(an, j, local, shape):
@@ -193,10 +213,12 @@ class _SelectHandler(Handler):
                 ]
         else:
             needs.append(w.eqn_ins[step.eqn][0])
+        outer = w.eqn_ins[step.eqn][0]
         for _, chain in step.branches:
             for j, name, u in chain:
                 if name == "select_n":
-                    needs.append(w.eqn_ins[j][0])
+                    if not (step.pred_eqns and w.eqn_ins[j][0] == outer):
+                        needs.append(w.eqn_ins[j][0])
                 else:
                     needs += [v for n, v in enumerate(w.eqn_ins[j]) if n != u]
         return needs
@@ -210,14 +232,18 @@ class _SelectHandler(Handler):
         # With an unknown predicate: where some branch is consistent, and
         # where two are with different values (the select is not injective).
         anywhere = ambiguous = None
+        candidates: dict = {v: [] for v in step.vars}
         for pos, chain in step.branches:
             # where this leaf's values are exact
             where = True if pred is None else pred == pos - 1
             local = {ids[pos]: y}
+            solves = []  # checked where this leaf is picked, once that is known
             for j, name, u in chain:
                 e = eqns[j]
                 if name == "select_n":  # a nested select's case, where picked
-                    where = where & (it.read_in(j, 0) == u - 1)
+                    if pred is not None or w.eqn_ins[j][0] != ids[0]:
+                        where = where & (it.read_in(j, 0) == u - 1)
+                    # else: the outer predicate itself, checked below
                     local[w.eqn_ins[j][u]] = local[w.eqn_outs[j][0]]
                     continue
                 ins = [
@@ -233,30 +259,57 @@ class _SelectHandler(Handler):
                     avals = [jx.aval(v) for v in e.invars]
                     solved = rule(outs, ins, e.params, avals)[u]
                 local[w.eqn_ins[j][u]] = solved
-                runtime_checks.record(
-                    [jnp.where(where, solved, 0)],
-                    [y, *[x for x in ins if x is not None]],
-                    degenerate(e),
-                )
+                solves.append((solved, [y, *[x for x in ins if x is not None]], e))
             if pred is None:
                 picked = _predicate_at(it, step, local)
                 where = where & (picked == pos - 1)
                 if anywhere is not None:  # two consistent, different candidates
                     for v in step.vars:
-                        clash = where & anywhere & (local[v] != merged[v])
+                        same = _agree([local[v], merged[v]])
+                        clash = where & anywhere & ~same
                         ambiguous = clash if ambiguous is None else ambiguous | clash
                 anywhere = where if anywhere is None else anywhere | where
+            for solved, given, e in solves:
+                runtime_checks.record(
+                    [jnp.where(where, solved, 0)], given, degenerate(e)
+                )
             for v in step.vars:
+                candidates[v].append(local[v])
                 old = merged.get(v)
                 merged[v] = local[v] if old is None else jnp.where(where, local[v], old)
         for v in step.vars:
             value = merged[v]
             if anywhere is not None and jnp.issubdtype(value.dtype, jnp.inexact):
-                ok = anywhere if ambiguous is None else anywhere & ~ambiguous
+                # Where no case is consistent but all candidates agree, the
+                # value sits at a continuous switch and rounding (or a flushed
+                # subnormal) put each candidate on the other side: keep it.
+                at_switch = _agree(candidates[v]) & ~anywhere
+                value = jnp.where(at_switch, candidates[v][0], value)
+                ok = anywhere | at_switch
+                if ambiguous is not None:
+                    ok = ok & ~ambiguous
                 value = jnp.where(ok, value, jnp.nan)
                 runtime_checks.record([value], [y], _not_one_case(eqns[step.eqn]))
             it.set([v], [value])
         return None
+
+
+def _agree(values):
+    """Where every candidate equals the first to a few units of rounding (exact
+    equality for integers)."""
+    first = values[0]
+    if not jnp.issubdtype(first.dtype, jnp.inexact):
+        out = jnp.ones(jnp.shape(first), bool)
+        for other in values[1:]:
+            out = out & (other == first)
+        return out
+    eps = 16 * jnp.finfo(first.dtype).eps
+    tiny = jnp.finfo(first.dtype).tiny
+    out = jnp.isfinite(first)
+    for other in values[1:]:
+        scale = jnp.abs(first) + jnp.abs(other)
+        out = out & (jnp.abs(other - first) <= eps * scale + 4 * tiny)
+    return out
 
 
 def _not_one_case(eqn) -> str:
