@@ -9,12 +9,16 @@ that compiles, warms up and reports the median of a few steps; the methods'
 processes are interleaved in rounds and each figure is the median over rounds.
 Ratios are to the *best plain* baseline, the faster of ``plain`` and
 ``layer_stack``; temp memory and FLOPs come from the same compiled steps.
+``--models`` and ``--depths`` measure a part of the sweep (say ``--models mlp
+--depths 16``), at the size's rounds and steps.
 
-    python -m benchmarks.speed [--quick | --tiny] [--out results]
+    python -m benchmarks.speed [--quick | --tiny] [--models a,b] [--depths 4 16]
+        [--out results]
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,13 +47,35 @@ def spec(model: str, method: str, depth: int, size: str) -> dict[str, Any]:
     return {"model": model, "method": method, "depth": units, **sizes}
 
 
+def _models(text: str) -> list[str]:
+    """A comma-separated list of names from :data:`MODELS`."""
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Times every (model, depth); writes ``<out>/speed.json``."""
-    args = measure.parse(__doc__, argv)
+    """Times every (model, depth), or those asked for; writes ``<out>/speed.json``."""
+
+    def add(parser):
+        parser.add_argument(
+            "--models", type=_models, default=None, help="a,b of " + ",".join(MODELS)
+        )
+        parser.add_argument(
+            "--depths",
+            type=measure.flags.positive_int,
+            nargs="+",
+            default=None,
+            help="in coupling blocks",
+        )
+
+    args = measure.parse(__doc__, argv, add)
     size = args.size
     rows = []
-    for model in MODELS:
-        for depth in DEPTHS[size]:
+    for model in args.models or MODELS:
+        for depth in args.depths or DEPTHS[size]:
             payloads = {
                 m: {**spec(model, m, depth, size), "time_steps": STEPS[size]}
                 for m in METHODS

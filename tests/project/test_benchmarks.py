@@ -350,6 +350,8 @@ def test_experiments_entries_run(name):
         ["-m", "benchmarks.training", "--tiny", "--out", "/proc/not-writable"],
         ["-m", "benchmarks.run", "--only", "memory,nope"],
         ["-m", "benchmarks.sharding", "--depths", "4", "0"],
+        ["-m", "benchmarks.speed", "--models", "mlp,nope"],
+        ["-m", "benchmarks.speed", "--depths", "16", "0"],
     ],
     ids=lambda a: " ".join(a[1:3]),
 )
