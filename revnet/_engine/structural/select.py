@@ -10,10 +10,15 @@ predicates pick a chain, its reconstruction is exact; the results are merged
 with the predicates.
 
 An unknown predicate computed from the common values alone (leaky ReLU's
-``x > 0``) is decided by consistency: every branch's candidate is rebuilt,
-the predicate is evaluated on it, and a candidate is kept where its own
-branch is picked. For an injective select that is exactly one branch at each
-position; where none is (an output no input maps to), the result is NaN.
+``x > 0``; a nested select on that same predicate, as inside ``jax.nn.elu``,
+is followed on the same side) is decided by consistency: every branch's
+candidate is rebuilt, the predicate is evaluated on it, and a candidate is
+kept where its own branch is picked. For an injective select that is exactly
+one branch at each position. Candidates that agree to rounding are kept where
+rounding put each on the other side of a continuous switch; where no branch
+is consistent, or two are with different values (the select is not
+injective, or the output is outside its range), the result is NaN and the
+run-time checks report it.
 """
 
 from __future__ import annotations
