@@ -196,6 +196,7 @@ class Interpreter:
         """Runs the steps that produce ``ids``, and their prerequisites."""
         producer, steps = self.plan.producer, self.plan.steps
         stack = [producer[v] for v in ids if v is not None and v not in self.env]
+        expanded: set = set()  # steps whose prerequisites were pushed
         while stack:
             s = stack[-1]
             if s in self.done:
@@ -208,6 +209,15 @@ class Interpreter:
             ]
             missing = [m for m in missing if m not in self.done]
             if missing:
+                if s in expanded or any(m in expanded for m in missing):
+                    # A cycle, or prerequisites that ran without producing
+                    # what they promised: pushing again would never end.
+                    raise RuntimeError(
+                        f"revnet internal error: step {s} of the inversion plan "
+                        f"({type(steps[s]).__name__}) needs values that depend "
+                        "on itself; please report it with the function"
+                    )
+                expanded.add(s)
                 stack.extend(missing)
                 continue
             stack.pop()

@@ -344,3 +344,40 @@ def test_zero_derivative_equations_send_no_cotangent():
         return sum("stablehlo.compare" in t and "8x24" in t for t in lines)
 
     assert compares_on_logits(True) <= compares_on_logits(False)
+
+
+def test_a_plan_whose_step_needs_itself_raises_instead_of_hanging():
+    """A handler whose ``needs`` names a value its own step makes (here the
+    select's predicate, computed from what the select rebuilds) is a cycle in
+    the plan: the interpreter names it rather than pushing steps for ever."""
+    code = """
+import jax, jax.numpy as jnp, revnet
+from revnet._engine.structural import select
+from revnet._engine.interpreter import _HANDLERS
+from revnet._engine.plan import Select
+h = _HANDLERS[Select]
+own = h.needs
+h.needs = lambda it, step: [*own(it, step), it.wiring.eqn_ins[step.eqn][0]]
+x = jnp.array([-1.0, 2.0])
+try:
+    revnet.inverse(jax.nn.leaky_relu, x)(x)
+except RuntimeError as e:
+    print(e)
+"""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "internal error: step" in proc.stdout, proc.stdout + proc.stderr
+    assert "needs values that depend on itself" in proc.stdout
