@@ -336,16 +336,6 @@ def measure_model(
     return result
 
 
-def _models(text: str) -> list[str]:
-    import argparse
-
-    names = [n for n in text.split(",") if n]
-    unknown = sorted(set(names) - set(SIZES["full"]["models"]))
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}")
-    return names
-
-
 def _require_gpu() -> None:
     import jax
 
@@ -377,7 +367,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def add(parser):
         parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
         parser.add_argument(
-            "--models", type=_models, default=None, help="a,b of transformer,mlp,conv"
+            "--models",
+            type=measure.names_of(SIZES["full"]["models"]),
+            default=None,
+            help="a,b of transformer,mlp,conv",
         )
         parser.add_argument(
             "--budgets", type=_budgets, default=None, help="MiB,MiB (the size's)"

@@ -74,6 +74,20 @@ def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:
     return args
 
 
+def names_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated list of names from ``choices``;
+    an unknown or empty one ends the program in one line."""
+
+    def parse_names(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}")
+        return names
+
+    return parse_names
+
+
 def compile_stats(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, float]]:
     """``(compiled, stats)`` of ``jax.jit(fn)`` for ``args``: bytes, FLOPs, time."""
     import jax

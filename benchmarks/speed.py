@@ -18,7 +18,6 @@ Ratios are to the *best plain* baseline, the faster of ``plain`` and
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,21 +46,15 @@ def spec(model: str, method: str, depth: int, size: str) -> dict[str, Any]:
     return {"model": model, "method": method, "depth": units, **sizes}
 
 
-def _models(text: str) -> list[str]:
-    """A comma-separated list of names from :data:`MODELS`."""
-    names = [n for n in text.split(",") if n]
-    unknown = sorted(set(names) - set(MODELS))
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}")
-    return names
-
-
 def main(argv: Sequence[str] | None = None) -> dict:
     """Times every (model, depth), or those asked for; writes ``<out>/speed.json``."""
 
     def add(parser):
         parser.add_argument(
-            "--models", type=_models, default=None, help="a,b of " + ",".join(MODELS)
+            "--models",
+            type=measure.names_of(MODELS),
+            default=None,
+            help="a,b of " + ",".join(MODELS),
         )
         parser.add_argument(
             "--depths",
