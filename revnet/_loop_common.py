@@ -34,6 +34,7 @@ from revnet._engine import (
     INT32_MAX,
     Stuck,
     aval,
+    cannot_store,
     check_options,
     choose,
     expose,
@@ -388,36 +389,40 @@ def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
 
 def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
     """``(jaxpr, mode, decided)``: the body the loop runs, its backward mode,
-    and the records (:class:`revnet._engine.Kept`) of the decisions it returns
-    as its last ``ys``, stored at every step when a scan is not checkpointed.
+    and the records (:class:`revnet._engine.Kept`) of the decisions (and, with
+    ``kinks="store"``, kinks) it returns after its carry, stored at every step
+    when the loop is not checkpointed: among a scan's ``ys``, in room for
+    ``max_steps`` steps in a while loop.
 
-    A while loop cannot store decisions per step: a body with decisions on the
-    carry is checkpointed (``mode="invert"`` and ``"store"`` raise ValueError).
+    A while loop without ``max_steps`` has no room to store them per step: a
+    body with decisions on the carry is checkpointed, and ``mode="invert"``
+    raises one ValueError naming the first of them.
     """
     o, carry, rebuilt = options, range(body.nk, body.nk + body.nc), [False] * body.nk
     rebuilt += [True] * body.nc + [False] * len(o.xs)
     kw = dict(decisions=o.decisions, kinks=o.kinks)
-    if o.loop == SCAN:
+    if o.bound is not None:  # a scan, or a while loop with max_steps
         exposed, mode = choose.exposed_mode(
             body.jaxpr, rebuilt, carry, o.mode, body.fail, **kw
         )
         extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
         return (exposed.jaxpr if extra else body.jaxpr), mode, exposed.kept[:extra]
     mode = o.mode
-    if expose(body.jaxpr, rebuilt, **kw).n:
-        if mode in ("invert", "store"):
-            raise ValueError(
-                f"while_loop: {body.name} makes decisions on the carry (comparisons, "
-                "argmax, round, ...) that a while loop cannot store per step; use "
-                "mode='checkpoint' (checkpointing recomputes them exactly) or "
-                "decisions='recompute'"
+    exposed = expose(body.jaxpr, rebuilt, **kw)
+    if exposed.n:
+        if mode == choose.INVERT:
+            k = exposed.kept[0]
+            raise cannot_store(
+                *(k.reason, k.label, k.where, f"in body_fun `{body.name}`"),
+                "without max_steps a while loop has no room to store one per step "
+                "for mode='invert': give max_steps (room for that many steps), or "
+                "use mode='checkpoint' (checkpointing recomputes it exactly)",
+                WHILE,
             )
         mode = choose.CHECKPOINT
     known_in = tuple(n not in carry for n in range(len(body.jaxpr.invars)))
     try:
-        chosen = choose.choose_mode(
-            body.jaxpr, known_in, carry, o.bound is not None, mode
-        )
+        chosen = choose.choose_mode(body.jaxpr, known_in, carry, False, mode)
     except Stuck as stuck:
         raise body.fail(stuck) from None
     return body.jaxpr, chosen, ()

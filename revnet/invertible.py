@@ -271,13 +271,13 @@ def invertible(
         values ``fun`` closes over, and differentiated. Their leaves may be of
         any type. At least one argument must be left to rebuild.
       decisions: ``"store"`` (the default) or ``"recompute"``: make decisions
-        again on rebuilt values, storing nothing. Near a tie a recomputed
+        again on rebuilt values, storing none. Near a tie a recomputed
         decision can flip and the gradient then differs from ``jax.grad``'s.
       kinks: ``"recompute"`` (the default) or ``"store"``: also store every
         kink that reads rebuilt values (the branch of ``max``, ``min``,
         ``abs`` and ``relu`` as an int8 or bool per element; the inputs of
         other kinks), so that the derivative at an exact tie is
-        ``jax.grad``'s.
+        ``jax.grad``'s; whatever ``decisions`` is.
 
     Returns:
       A function with the same signature and values as ``fun``.

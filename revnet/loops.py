@@ -134,12 +134,15 @@ def while_loop(
         for ``ceil(max_steps / anchor_every)`` carries).
       drift: as in :func:`scan`; without ``anchor_every`` the initial carry is
         stored and the whole loop's reconstruction error reported.
-      decisions: ``"store"`` (the default) or ``"recompute"``. A while loop
-        cannot store a decision per step: a body whose results jump on the
-        carry (comparisons, ``argmax``, ``round``, see
-        :func:`revnet.invertible`) is checkpointed, which recomputes them
-        exactly; ``"recompute"`` lets such a body be inverted anyway.
-      kinks: as in :func:`revnet.invertible`.
+      decisions: ``"store"`` (the default) or ``"recompute"``, as in
+        :func:`scan`. The results of ``body_fun`` that jump on the carry
+        (comparisons, ``argmax``, ``round``, see :func:`revnet.invertible`),
+        and with ``kinks="store"`` its kinks, are stored at every step in room
+        for ``max_steps`` steps when the carry is rebuilt. Without
+        ``max_steps`` there is no room for them: such a body is checkpointed
+        (which recomputes them exactly), and ``mode="invert"`` is refused;
+        ``"recompute"`` (with ``kinks="recompute"``) lets it be inverted.
+      kinks: as in :func:`revnet.invertible`; stored like decisions.
       invert: deprecated: ``True``, ``False`` and ``None`` are
         ``mode="invert"``, ``"checkpoint"`` and ``"auto"``.
 
@@ -156,7 +159,9 @@ def while_loop(
         return a boolean scalar, ``body_fun`` changes the carry's type, or
         forward-mode differentiation reaches the loop.
       ValueError: when ``mode`` is not one of the four modes, ``mode="store"``
-        is given without ``max_steps``, ``max_steps`` is negative,
+        is given without ``max_steps``, ``mode="invert"`` is given without
+        ``max_steps`` for a body with decisions (or kinks, with
+        ``kinks="store"``) on the carry, ``max_steps`` is negative,
         ``checkpoints`` or ``anchor_every`` is below 1, or ``anchor_every`` is
         given without ``max_steps``.
     """
@@ -164,10 +169,18 @@ def while_loop(
     o = common.while_options(cond_fun, body_fun, max_steps, shared)
     body = common.traced_body(body_fun, "body_fun", init_val, "init_val", o)
     cond_jaxpr, cond_consts = common.traced_cond(cond_fun, body)
-    jaxpr, chosen, _ = common.backward_mode(body, o)
+    jaxpr, chosen, decided = common.backward_mode(body, o)
     report = common.reporter(o, body)
     run = while_function(
-        jaxpr, cond_jaxpr, chosen, body.nk, o.bound, o.slots, o.anchor_every, report
+        jaxpr,
+        cond_jaxpr,
+        chosen,
+        body.nk,
+        o.bound,
+        o.slots,
+        o.anchor_every,
+        report,
+        decided,
     )
     final = common.call("while_loop", run, list(body.consts), cond_consts, body.carry)
     return body.unflatten(final)
@@ -253,8 +266,9 @@ def scan(
         results of ``f`` that jump and read it (comparisons, ``argmax``,
         ``top_k`` indices, ``round``; see :func:`revnet.invertible`) are
         stored at every step and not made again on rebuilt values;
-        ``"recompute"`` stores nothing.
-      kinks: as in :func:`revnet.invertible`.
+        ``"recompute"`` stores no decision.
+      kinks: as in :func:`revnet.invertible`; with ``"store"`` the kinks are
+        stored at every step too, whatever ``decisions`` is.
       invert: deprecated: ``True``, ``False`` and ``None`` are
         ``mode="invert"``, ``"checkpoint"`` and ``"auto"``.
 

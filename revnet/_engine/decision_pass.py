@@ -43,12 +43,19 @@ class Kept:
       where: the user's source line of that equation, or ``""``.
       within: the loops and calls it sits in, outermost first (``"scan"``,
         ``"checkpoint"``, ``"cond"``); a ``scan`` stacks it once per step.
+      call: the function a call equation wraps (``relu``), or ``""``.
     """
 
     reason: str
     primitive: str
     where: str
     within: tuple[str, ...] = ()
+    call: str = ""
+
+    @property
+    def label(self) -> str:
+        """The equation for messages: ``"`custom_jvp_call` (relu)"``."""
+        return f"`{self.primitive}`" + (f" ({self.call})" if self.call else "")
 
 
 @dataclasses.dataclass
@@ -67,14 +74,15 @@ _NARROW_SEARCH = 10_000
 
 
 class Pass(NestedCalls):
-    """One rewrite: tracks which variables are rebuilt, collects decisions."""
+    """One rewrite: tracks which variables are rebuilt, collects decisions
+    (when ``decisions``) and kinks (when ``kinks``), each without the other."""
 
-    def __init__(self, kinks: bool, soft: bool = True):
-        self.kinks, self.soft = kinks, soft
+    def __init__(self, kinks: bool, soft: bool = True, decisions: bool = True):
+        self.kinks, self.soft, self.decisions = kinks, soft, decisions
 
     def sub(self) -> Pass:
         """A pass with the same options, for a nested body."""
-        return Pass(self.kinks, self.soft)
+        return Pass(self.kinks, self.soft, self.decisions)
 
     def run(self, jaxpr: Any, rebuilt: Sequence[bool]) -> _Result:
         """The rewritten equations of ``jaxpr``, its stored decisions (extra
@@ -210,9 +218,12 @@ class Pass(NestedCalls):
                 return keep
             if cls == cont.DECISION and self._soft(e0):
                 return keep  # a kink: predicate of selects continuous there
-            return self._outputs(e, outs)
+            kink = cls == cont.DECISION and self._continuous(e0)
+            if not self.decisions and not kink:
+                return keep  # a decision, made again (decisions="recompute")
+            return self._outputs(e, outs, "kink" if kink else "decision")
         if _marked(e, DECISION_MARK):
-            return self._outputs(e, outs)
+            return self._outputs(e, outs) if self.decisions else keep
         if name == "scan":
             return self._scan(e, tin)
         if name in _REMAT:
@@ -245,6 +256,8 @@ class Pass(NestedCalls):
             if name in ("max", "min", "abs"):
                 return self._split(e, *replays.kink(e, name), "kink")
             return self._at_point(e, tin, "kink")
+        if not self.decisions:
+            return keep  # a decision, made again (decisions="recompute")
         if name in ("top_k", "approx_top_k"):
             return self._split(e, *replays.top_k(e), "decision")
         if name == "sort":
@@ -312,18 +325,24 @@ class Pass(NestedCalls):
             todo.extend(a for a in e.invars if is_float_aval(jx.aval(a)))
         return True
 
-    def _outputs(self, e, outs):
+    def _outputs(self, e, outs, reason: str = "decision"):
         """``e`` kept, its results ``outs`` stored."""
         same = list(e.outvars)
-        return [e], outs, self._why(e, "decision", len(outs)), same, [False] * len(same)
+        return [e], outs, self._why(e, reason, len(outs)), same, [False] * len(same)
 
     def _why(self, e, reason: str, n: int, within=()) -> list[Kept]:
-        return [Kept(reason, jx.primitive_name(e), jx.where(e), tuple(within))] * n
+        name, call = jx.primitive_name(e), jx.call_name(e)
+        return [Kept(reason, name, jx.where(e), tuple(within), call)] * n
 
     def _soft(self, cmp: Any) -> bool:
         """Whether the comparison ``cmp`` only decides selects that are
         continuous where it switches (so it is a kink, recomputed)."""
-        if self.kinks or not self.soft or not cont.is_comparison(cmp):
+        return not self.kinks and self.soft and self._continuous(cmp)
+
+    def _continuous(self, cmp: Any) -> bool:
+        """Whether ``cmp`` is a comparison that only decides selects that are
+        continuous where it switches (marked kinks, ``leaky_relu``)."""
+        if not cont.is_comparison(cmp):
             return False
         uses = self.uses.get(cmp.outvars[0], [])
         if uses and all(_marked(use, KINK_MARK) for use, _ in uses):

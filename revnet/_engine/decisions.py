@@ -118,8 +118,10 @@ def expose(
       jaxpr: an open jaxpr (constants as leading inputs).
       rebuilt: for each input, whether the backward pass rebuilds it (the
         function's arguments, a loop's carry) rather than knowing it exactly.
-      decisions: ``"store"``, or ``"recompute"`` to leave ``jaxpr`` as it is.
-      kinks: ``"store"`` to store the branch of every kink too.
+      decisions: ``"store"``, or ``"recompute"`` to make decisions again.
+      kinks: ``"store"`` to store the branch of every kink too (also with
+        ``decisions="recompute"``); with both ``"recompute"``, ``jaxpr`` is
+        left as it is.
       soft: False to store the predicates of continuous selects too: a select
         on the inverted path whose predicate is not a function of the value
         its cases are rebuilt from is solved only with its predicate known
@@ -134,9 +136,9 @@ def expose(
       ValueError: for a decision that cannot be stored where it sits (inside
         a ``while`` loop or a ``shard_map``), naming it and what to do.
     """
-    if decisions == "recompute":
+    if decisions == "recompute" and kinks == "recompute":
         return Exposed(jaxpr, 0)
-    r = Pass(kinks == "store", soft).run(jaxpr, list(rebuilt))
+    r = Pass(kinks == "store", soft, decisions == "store").run(jaxpr, list(rebuilt))
     if not r.extra:
         return Exposed(jaxpr, 0)
     outs = [*r.outvars, *r.extra]

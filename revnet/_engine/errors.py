@@ -210,6 +210,48 @@ def not_invertible(
     )
 
 
+# What each kind of stored value is called, and the option that recomputes it.
+_RECOMPUTE = {
+    "kink": (
+        "a kink",
+        "kinks='recompute' (a recomputed kink's derivative at a tie follows the "
+        "rebuilt value)",
+    ),
+    "decision": (
+        "a decision",
+        "decisions='recompute' (a recomputed decision may flip near a tie)",
+    ),
+}
+
+
+def cannot_store(
+    reason: str, label: str, where: str, within: str, fix: str, loop: str = ""
+) -> ValueError:
+    """The one-line ValueError for a value that must be stored and cannot be.
+
+    Args:
+      reason: why it is stored: ``"kink"`` (``kinks="store"``), or anything
+        else for a decision (:class:`revnet._engine.decisions.Kept`'s reason).
+      label: the equation that makes it (``"`lt`"``, ``"`custom_jvp_call`
+        (relu)"``).
+      where: that equation's source line, or ``""``.
+      within: where it sits (``"inside a while_loop body"``).
+      fix: why it cannot be stored there and what to do instead.
+      loop: the front end refusing it (``"while_loop"``), or ``""``.
+
+    Returns:
+      ``ValueError("a kink (`max` at f.py:3 (body)) inside ...; or pass
+      kinks='recompute' (...)")``: the option that recomputes it comes last.
+    """
+    noun, option = _RECOMPUTE.get(reason, _RECOMPUTE["decision"])
+    at = f" at {where}" if where else ""
+    head = f"{loop}: " if loop else ""
+    return ValueError(
+        f"{head}{noun} ({label}{at}) {within} reads values the backward pass "
+        f"rebuilds, and {fix}; or pass {option}"
+    )
+
+
 def leaf_paths(prefix: str, tree: Any) -> list[str]:
     """``prefix`` plus each leaf's path (``args[0]['w']``), for error messages."""
     paths, _ = jax.tree_util.tree_flatten_with_path(tree)

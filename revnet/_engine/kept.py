@@ -277,7 +277,8 @@ def loop(
     for k, d in zip(decided, ran.ys[n_ys:]):
         kind_ = _FROM_REASON.get(k.reason, DECISION)
         why = _why(k) + ", one per step"
-        values.append(_value(kind_, d, k.where or site, why, by, length))
+        rows = int(np.shape(d)[0]) if length is None else length  # max_steps
+        values.append(_value(kind_, d, k.where or site, why, by, rows))
     made = _producers(sp.body.jaxpr)
     carry_out = sp.body.jaxpr.outvars[: sp.num_carry]
     leaves = [n for n, s in enumerate(mode.stored) if s]
@@ -295,10 +296,10 @@ def loop(
 def _why(k: Any) -> str:
     where = f" inside {'/'.join(k.within)}" if k.within else ""
     if k.reason == "kink":
-        return f"kink `{k.primitive}`{where}: kinks='store'"
+        return f"kink {k.label}{where}: kinks='store'"
     if k.reason == "inputs":
-        return f"the inputs of `{k.primitive}`{where}: it is evaluated there again"
-    return f"`{k.primitive}`{where} jumps: stored, not recomputed"
+        return f"the inputs of {k.label}{where}: it is evaluated there again"
+    return f"{k.label}{where} jumps: stored, not recomputed"
 
 
 # --------------------------------------------------------------------------- #

@@ -18,16 +18,33 @@ from typing import Any
 import jax.numpy as jnp
 
 from revnet._engine import jaxpr as jx
+from revnet._engine.errors import cannot_store
 
 
-def _refuse(what: str, inner: Any, outer: Any, fix: str) -> ValueError:
+def _refuse(what: str, r: Any, outer: Any, fix: str) -> ValueError:
+    """The refusal of the first value the pass result ``r`` stores, inside
+    ``what`` (the equation ``outer``), naming its equation and source line."""
+    inner = _maker(r, outer)
     where = jx.where(inner) or jx.where(outer)
-    at = f" at {where}" if where else ""
-    return ValueError(
-        f"a decision (`{jx.primitive_name(inner)}`{at}) inside {what} reads values "
-        f"the backward pass rebuilds, and {fix}; or pass decisions='recompute' "
-        "(a recomputed decision may flip near a tie)"
-    )
+    label = f"`{jx.primitive_name(inner)}`"
+    return cannot_store(r.kept[0].reason, label, where, f"inside {what}", fix)
+
+
+# Why a lax.while_loop cannot store what its body or condition decides, and
+# what can: revnet.while_loop rebuilds its own carry (so it is called outside
+# the @invertible function) and records its trip count.
+_NO_ROOM = "a lax.while_loop cannot store one per step"
+_WHILE_BODY = (
+    f"{_NO_ROOM}: use lax.fori_loop with static bounds or lax.scan, whose "
+    "decisions are stored per step, or, for a data-dependent stop, "
+    "revnet.while_loop with max_steps (it stores them per step) outside the "
+    "@invertible function"
+)
+_WHILE_COND = (
+    f"{_NO_ROOM}: use lax.fori_loop with static bounds or lax.scan, or, for a "
+    "data-dependent stop, revnet.while_loop (it records its trip count) outside "
+    "the @invertible function"
+)
 
 
 class NestedCalls:
@@ -150,16 +167,12 @@ class NestedCalls:
                 break
             carry = new
         rc = self.sub().run(cond.jaxpr, [False] * len(cond.consts) + consts_c + carry)
-        for res, what in ((r, "a while_loop body"), (rc, "a while_loop condition")):
+        for res, what, fix in (
+            (r, "a while_loop body", _WHILE_BODY),
+            (rc, "a while_loop condition", _WHILE_COND),
+        ):
             if res.extra:
-                inner = _maker(res, e)
-                raise _refuse(
-                    what,
-                    inner,
-                    e,
-                    "a while loop cannot store one per step: use lax.fori_loop with "
-                    "static bounds or lax.scan, whose decisions are stored per step",
-                )
+                raise _refuse(what, res, e, fix)
         return [e], [], [], list(e.outvars), carry
 
     def _shard_map(self, e, tin):
@@ -176,7 +189,7 @@ class NestedCalls:
         if r.extra:
             raise _refuse(
                 "a shard_map body",
-                _maker(r, e),
+                r,
                 e,
                 "decisions are not stored inside shard_map yet: make the decision "
                 "outside the shard_map",

@@ -193,6 +193,16 @@ def _inv_body(c):
     return x1, x2 + jnp.tanh(x1)
 
 
+def _deciding_body(c):
+    return _deciding_step(c, (1.0, 1.0))[0]
+
+
+def _relu_body(c):
+    x1, x2 = c
+    x1 = x1 + jax.nn.relu(x2)
+    return x1, x2 + jnp.tanh(x1)
+
+
 INIT = (jnp.linspace(-1.0, 1.0, 3), jnp.zeros(3))
 TOP = (jnp.ones(3), jnp.zeros(3), 0.0)
 WS = jnp.ones((8, 2))
@@ -241,6 +251,25 @@ LOOPS = {
         (INIT,),
         {"trip count", "output", "anchor"},
     ),
+    "while decisions": (
+        lambda i: revnet.while_loop(
+            lambda c: c[0][0] < 5.0, _deciding_body, i, max_steps=20
+        ),
+        (INIT,),
+        {"trip count", "output", "decision"},
+    ),
+    "while kinks": (
+        lambda i: revnet.while_loop(
+            lambda c: c[0][0] < 5.0,
+            _relu_body,
+            i,
+            max_steps=20,
+            kinks="store",
+            decisions="recompute",
+        ),
+        (INIT,),
+        {"trip count", "output", "kink"},
+    ),
     "invertible around revnet.scan": (
         lambda a, b: revnet.invertible(
             lambda a, b: revnet.scan(_deciding_step, (a, b), WS)[0]
@@ -265,8 +294,13 @@ def test_report_of_each_loop_mode_is_the_compiled_residuals(name):
             assert "_leapfrog" in e.where, e.where
         if e.kind == "anchor":
             assert e.steps == (3 if name == "scan anchors" else 5)
-        if e.kind in ("xs", "ys", "decision"):
-            assert e.steps == (5 if name == "scan store" else 8)
+        if e.kind in ("xs", "ys", "decision", "kink"):
+            # A while loop's are stored in room for max_steps steps.
+            want = {"scan store": 5, "while decisions": 20, "while kinks": 20}
+            assert e.steps == want.get(name, 8)
+        if name in ("while decisions", "while kinks"):
+            assert e.kind != "decision" or e.shape == (20, 3), e.shape
+            assert e.kind != "kink" or e.shape == (20, 3), e.shape
 
 
 def test_report_of_a_vmapped_function_takes_the_batched_shapes():

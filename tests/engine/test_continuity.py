@@ -363,6 +363,47 @@ def test_a_decision_in_a_while_loop_is_refused_in_one_line():
     assert [k.primitive for k in exposed.kept] == ["while"]
 
 
+def test_a_data_dependent_stop_points_to_revnet_while_loop():
+    """A lax.while_loop whose stop reads rebuilt values cannot be written as
+    fori_loop or scan: the refusal names revnet.while_loop too."""
+
+    def f(a, b):
+        stop = lambda c: jnp.sum(c[0]) < 50.0  # noqa: E731
+        x, _ = lax.while_loop(stop, lambda c: (c[0] * 2.0, c[1] + 1), (b, 0))
+        return a + x, b
+
+    with pytest.raises(ValueError, match="while_loop condition") as info:
+        jax.grad(lambda a, b: jnp.sum(revnet.invertible(f)(a, b)[0]))(_X, _X + 3.0)
+    msg = str(info.value)
+    assert "\n" not in msg and "`lt` at" in msg and "test_continuity.py" in msg
+    assert "fori_loop" in msg and "revnet.while_loop" in msg, msg
+
+
+def test_kinks_are_stored_when_decisions_are_recomputed():
+    """kinks='store' stores kinks whatever decisions= is; decisions='recompute'
+    drops only the decisions."""
+
+    def f(a, b):
+        return a + jax.nn.relu(b) + jnp.where(b > 0.5, 1.0, 0.0), b
+
+    kinds = lambda **kw: [k.reason for k in _n_stored(f, _X, _X, **kw).kept]  # noqa: E731
+    assert kinds(kinks="store", decisions="recompute") == ["kink"]
+    assert kinds(kinks="store") == ["kink", "decision"]
+    assert kinds() == ["decision"]
+    assert kinds(decisions="recompute") == []
+    # A kink inside a lax.while_loop is refused as a kink, with its option.
+
+    def g(a, b):
+        body = lambda c: (c[0] + jax.nn.relu(c[0]) * 0.5, c[1] + 1)  # noqa: E731
+        return a + lax.while_loop(lambda c: c[1] < 3, body, (b, 0))[0], b
+
+    with pytest.raises(ValueError, match="while_loop body") as info:
+        _n_stored(g, _X, _X, kinks="store", decisions="recompute")
+    msg = str(info.value)
+    assert msg.startswith("a kink (") and "kinks='recompute'" in msg, msg
+    assert "decisions=" not in msg, msg
+
+
 def test_a_user_marks_a_select_either_way():
     """revnet.kink recomputes a predicate revnet cannot prove continuous;
     revnet.decision stores one it would recompute."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import haiku as hk
 import jax
@@ -14,6 +15,7 @@ import revnet
 from benchmarks import decisions as bd
 from revnet import blocks
 from revnet._engine import expose, stored_bytes, trace
+from revnet._engine.loops.hooks import modes_chosen
 from tests.helpers import assert_trees_close
 
 PROGRAMS = list(bd.PROGRAMS)
@@ -235,7 +237,10 @@ def test_revnet_scan_stores_decisions_per_step(kw):
     assert max(bd.leaf_errors(got, want)) <= 1e-5
 
 
-def test_while_loop_with_decisions_on_the_carry_is_checkpointed():
+def test_while_loop_stores_decisions_per_step_within_max_steps():
+    """With max_steps a while loop stores its decisions per step, as a scan
+    does, in every mode; without it, it checkpoints them (exact), and refuses
+    mode='invert' naming the deciding equation."""
     ps, (a, b) = bd.params(12), bd.inputs()
     ws = jnp.stack([ps["f"], ps["g"]], 1)
 
@@ -245,9 +250,7 @@ def test_while_loop_with_decisions_on_the_carry_is_checkpointed():
         return i + 1, a, b
 
     def run(a, b, **kw):
-        out = revnet.while_loop(
-            lambda c: c[0] < 12, body, (0, a, b), max_steps=12, **kw
-        )
+        out = revnet.while_loop(lambda c: c[0] < 12, body, (0, a, b), **kw)
         return jnp.sum(jnp.sin(out[1])) + jnp.sum(out[2])
 
     def plain(a, b):
@@ -257,15 +260,24 @@ def test_while_loop_with_decisions_on_the_carry_is_checkpointed():
         return jnp.sum(jnp.sin(c[1])) + jnp.sum(c[2])
 
     want = jax.grad(plain, (0, 1))(a, b)
-    got = jax.jit(jax.grad(run, (0, 1)))(a, b)
+    kinds = {"auto": "invert", "invert": "invert", "store": "invert"}
+    kinds["checkpoint"] = "checkpoint"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", revnet.StoredGrowthWarning)
+        for mode, kind in kinds.items():
+            with modes_chosen() as seen:
+                ours = functools.partial(run, mode=mode, max_steps=12)
+                got = jax.jit(jax.grad(ours, (0, 1)))(a, b)
+            assert [m.kind for m in seen] == [kind], mode
+            assert max(bd.leaf_errors(got, want)) <= 1e-5, mode
+    # Without max_steps: checkpointed, the same exact gradient.
+    with modes_chosen() as seen:
+        got = jax.jit(jax.grad(run, (0, 1)))(a, b)
+    assert [m.kind for m in seen] == ["checkpoint"]
     assert max(bd.leaf_errors(got, want)) <= 1e-5
-    # Asking for the checkpoint mode by name gives the same, exact gradient.
-    named = jax.jit(jax.grad(functools.partial(run, mode="checkpoint"), (0, 1)))
-    assert max(bd.leaf_errors(named(a, b), want)) <= 1e-5
-    words = "makes decisions on the carry.*mode='checkpoint'"
-    for mode in ("invert", "store"):
-        with pytest.raises(ValueError, match=words):
-            run(a, b, mode=mode)
+    words = r"while_loop: a decision \(`argmax` at .*test_decisions\.py.*max_steps"
+    with pytest.raises(ValueError, match=words):
+        run(a, b, mode="invert")
 
 
 # -- an MoE-routed reversible transformer block (Haiku) ---------------------- #

@@ -708,3 +708,82 @@ def test_docstring_examples():
     result = doctest.testmod(loops, extraglobs={"jnp": jnp, "revnet": revnet})
     assert result.attempted > 0
     assert result.failed == 0
+
+
+# --------------------------------------------------------------------------- #
+# kinks= and decisions= in every mode, at an exact tie of a relu.
+
+_TIE_W = [[0.7, 0.2, -0.3], [0.1, 0.9, 0.4], [-0.2, 0.3, 0.8]]
+_TIE_STEPS = 30
+
+
+def _relu_step(w):
+    def step(c):
+        a, b, i = c
+        a = a + jax.nn.relu(b @ w)  # relu(0) at the first step when b is 0
+        b = b + 0.7 * jnp.tanh(a @ w)
+        return a, b, i + 1
+
+    return step
+
+
+def _relu_loss(out):
+    a, b, _ = out
+    return jnp.sum(a * jnp.arange(1.0, 4.0, dtype=a.dtype)) + jnp.sum(b**2)
+
+
+def _relu_loop(loop, w, a, b, **kw):
+    step, init = _relu_step(w), (a, b, 0)
+    if loop == "scan":
+        return scan(lambda c, _: (step(c), None), init, None, _TIE_STEPS, **kw)[0]
+    bound = dict(max_steps=_TIE_STEPS + 10) if loop == "while_loop(max_steps)" else {}
+    return while_loop(lambda c: c[2] < _TIE_STEPS, step, init, **kw, **bound)
+
+
+def _relu_plain(w, a, b):
+    step = _relu_step(w)
+    return lax.scan(lambda c, _: (step(c), None), (a, b, 0), None, _TIE_STEPS)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("decisions", ["store", "recompute"])
+@pytest.mark.parametrize("kinks", ["store", "recompute"])
+@pytest.mark.parametrize("mode", ["auto", "invert", "store", "checkpoint"])
+@pytest.mark.parametrize("loop", ["while_loop", "while_loop(max_steps)", "scan"])
+def test_kinks_and_decisions_in_every_mode(loop, mode, kinks, decisions, dtype):
+    """kinks='store' gives jax.grad's derivative at a tie (relu'(0) = 0) in
+    every mode that runs, whatever ``decisions`` is; a combination that cannot
+    store per step is refused in one line naming the kink and what works."""
+    with jax.enable_x64(dtype == "float64"):
+        w = jnp.asarray(_TIE_W, dtype)
+        a = jnp.asarray([0.31, -0.27, 0.13], dtype)
+        b = jnp.zeros(3, dtype)
+
+        def grads(fun, b):
+            return jax.grad(lambda *p: _relu_loss(fun(*p)), (0, 1, 2))(w, a, b)
+
+        kw = dict(mode=mode, kinks=kinks, decisions=decisions)
+        ours = functools.partial(_relu_loop, loop, **kw)
+        if loop == "while_loop" and mode == "store":
+            with pytest.raises(ValueError, match="needs max_steps") as e:
+                grads(ours, b)
+            _one_line(e)
+            return
+        if loop == "while_loop" and mode == "invert" and kinks == "store":
+            # Without max_steps there is no room for a kink per step.
+            words = r"while_loop: a kink \(`custom_jvp_call` \(relu\) at .*test_modes"
+            words += r".*give max_steps.*mode='checkpoint'.*kinks='recompute'"
+            with pytest.raises(ValueError, match=words) as e:
+                grads(ours, b)
+            _one_line(e)
+            return
+        if kinks == "recompute" and mode != "checkpoint":
+            # A recomputed kink follows the rebuilt value at a tie, on either
+            # side (documented); away from ties it is jax.grad's derivative.
+            b = b + jnp.asarray([0.05, -0.04, 0.03], dtype)
+        assert_trees_close(
+            grads(ours, b),
+            grads(_relu_plain, b),
+            tolerance(dtype, loops=True),
+            what="gradient",
+        )

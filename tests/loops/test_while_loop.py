@@ -415,6 +415,26 @@ def test_invert_true_refuses_a_non_invertible_body_naming_the_equation():
         )(jnp.ones(3))
 
 
+def test_a_decision_without_max_steps_is_refused_naming_its_equation():
+    """Without max_steps a while loop has no room to store a decision per
+    step: mode='invert' is refused in one line naming the deciding equation,
+    its source line and what works instead."""
+
+    def body(c):
+        x, i = c
+        return x + jnp.where(x > 0.5, 1.0, -0.5), i + 1  # `gt` decides
+
+    with pytest.raises(ValueError) as e:
+        while_loop(lambda c: c[1] < 3, body, (jnp.ones(3), 0), mode="invert")
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith("while_loop: a decision (`gt` at "), msg
+    assert "test_while_loop.py:" in msg and "body_fun `body`" in msg, msg
+    for remedy in ("max_steps", "mode='checkpoint'", "decisions='recompute'"):
+        assert remedy in msg, msg
+    assert "kinks" not in msg, msg
+
+
 @pytest.mark.parametrize(
     "bad,exc",
     [

@@ -3,9 +3,10 @@
 A loop's forward pass is one jitted ``lax.while_loop`` or ``lax.scan`` over
 the body. Besides the final carry (and a scan's ``ys``) it records what the
 backward pass reads: the trip count (a while loop's), the carry leaves the
-mode stores at every step (:mod:`.store`), and, when asked for, the carry
-every ``k`` steps (:mod:`.anchors`). Every forward loop returns a
-:class:`Ran`.
+mode stores at every step (:mod:`.store`), the decisions a while loop's body
+returns after its carry (one per step, in room for ``max_steps``: a scan's
+are among its ``ys``), and, when asked for, the carry every ``k`` steps
+(:mod:`.anchors`). Every forward loop returns a :class:`Ran`.
 
 The jitted forward loops are cached by what they compute (the body's jaxpr by
 structure, its nested constants by identity; derivative rules do not change a
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from revnet._engine import fingerprint
+from revnet._engine import jaxpr as jx
 from revnet._engine.cache import LRU
 from revnet._engine.jaxpr import Body, ScanParams, eval_body
 from revnet._engine.jaxpr import scan as plain_scan
@@ -40,7 +42,8 @@ class Ran(NamedTuple):
       steps: the trip count (an int32 scalar), or None when it is known at
         trace time (a scan's length).
       final: the final carry, a list of arrays.
-      ys: a scan's stacked outputs (empty for a while loop).
+      ys: a scan's stacked outputs; a while loop's stored decisions, the
+        body's results after its carry, one row per step (``max_steps`` rows).
       stored: the stored carry leaves, stacked over the steps.
       anchors: the anchor buffers (empty without anchors).
     """
@@ -99,7 +102,9 @@ def while_forwards(
     """The forward loops ``(body_consts, cond_consts, carry) -> Ran`` of a while loop.
 
     Args:
-      body_jaxpr, cond_jaxpr: the body and condition, constants first.
+      body_jaxpr, cond_jaxpr: the body and condition, constants first; the
+        body returns the carry, then the decisions it stores (a bounded loop
+        only), which the loop writes at every step into ``Ran.ys``.
       bound: the largest number of steps, or None.
       stored: for each carry leaf, whether it is stored at every step.
       anchor_every: the anchor spacing asked for, or None; room is made for
@@ -119,8 +124,8 @@ def while_forwards(
         return _while_forward(body, cond, bound, stored, every)
 
     def read(out):
-        n, final, bufs, marks = out
-        return Ran(n, final, [], bufs, marks)
+        n, final, bufs, decided, marks = out
+        return Ran(n, final, decided, bufs, marks)
 
     return _forwards(key, make, read, anchor_every, bound)
 
@@ -128,35 +133,42 @@ def while_forwards(
 def _while_forward(
     body: Body, cond: Body, bound: int | None, stored, every: int | None
 ):
-    """``forward(bk, ck, carry) -> (steps, final, stored leaves, anchors)``,
-    jitted; ``anchors`` is empty unless ``every`` is given."""
+    """``forward(bk, ck, carry) -> (steps, final, stored leaves, decisions,
+    anchors)``, jitted; ``anchors`` is empty unless ``every`` is given."""
+    nc = len(stored)  # one flag per carry leaf
+    decided = [jx.aval(v) for v in body.jaxpr.outvars[nc:]]
+    # At least one row: a loop bounded by 0 steps writes none, but its
+    # (never run) step must still trace.
+    rows = 1 if bound is None else max(bound, 1)
+
+    def write(bufs, values, n):
+        return [
+            lax.dynamic_update_index_in_dim(b, x, n, 0) for b, x in zip(bufs, values)
+        ]
 
     def forward(bk, ck, carry):
         def go(state):
-            n, c, _, _ = state
+            n, c, _, _, _ = state
             p = eval_body(cond, *ck, *c)[0]
             return p if bound is None else jnp.logical_and(p, n < bound)
 
         def step(state):
-            n, c, bufs, marks = state
-            bufs = [
-                lax.dynamic_update_index_in_dim(b, x, n, 0)
-                for b, x in zip(bufs, stored_leaves(c, stored))
-            ]
+            n, c, bufs, ds, marks = state
+            bufs = write(bufs, stored_leaves(c, stored), n)
             if every is not None:
                 marks = anc.keep(marks, c, n, every)
-            return n + 1, eval_body(body, *bk, *c), bufs, marks
+            out = eval_body(body, *bk, *c)
+            return n + 1, out[:nc], bufs, write(ds, out[nc:], n), marks
 
-        # At least one row: a loop bounded by 0 steps writes none, but its
-        # (never run) step must still trace.
         bufs = [
-            jnp.zeros((max(bound, 1), *jnp.shape(x)), x.dtype)
+            jnp.zeros((rows, *jnp.shape(x)), x.dtype)
             for x in stored_leaves(carry, stored)
         ]
+        ds = [jnp.zeros((rows, *a.shape), a.dtype) for a in decided]
         marks = []
         if every is not None:
             marks = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
-        state = (jnp.zeros((), jnp.int32), list(carry), bufs, marks)
+        state = (jnp.zeros((), jnp.int32), list(carry), bufs, ds, marks)
         return lax.while_loop(go, step, state)
 
     return jax.jit(forward)

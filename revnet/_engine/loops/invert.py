@@ -290,9 +290,11 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
     """A while loop's backward pass: ``ran.steps`` steps back from the final
     carry, in one ``lax.while_loop``; each iteration gives its remaining-step
     counter to the testing hooks in :data:`.hooks.STEP_HOOKS`."""
-    body_jaxpr, nk = sp.body.jaxpr, sp.num_consts
+    body_jaxpr, nk, nc = sp.body.jaxpr, sp.num_consts, sp.num_carry
     k_avals = [jx.aval(v) for v in body_jaxpr.invars[:nk]]
     c_avals = [jx.aval(v) for v in body_jaxpr.invars[nk:]]
+    # The decisions the body returns after its carry, stored per step.
+    ct_decided = [ct.zeros(jx.aval(v)) for v in body_jaxpr.outvars[nc:]]
     n, bufs, hooks = ran.steps, ran.stored, tuple(STEP_HOOKS)
 
     def go(state):
@@ -304,10 +306,14 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
         m, c, ctc, ctk, bad, drift = state
         for hook in hooks:
             jax.debug.callback(hook, m)
-        kept = [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in bufs]
+        kept, decided = (
+            [lax.dynamic_index_in_dim(b, m - 1, keepdims=False) for b in group]
+            for group in (bufs, ran.ys)
+        )
+        outs, out_cts = list(c) + decided, list(ctc) + ct_decided
         with runtime_checks.scope() as sc:
             prev, in_cts = run_plan(
-                mode.plan, body_jaxpr, list(bk) + kept, list(c), list(ctc), perturbed
+                mode.plan, body_jaxpr, list(bk) + kept, outs, out_cts, perturbed
             )
         bad = runtime_checks.merge(bad, sc, messages)
         in_cts = ct.float_or_none(in_cts, k_avals + c_avals)

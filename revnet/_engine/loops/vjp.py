@@ -53,8 +53,9 @@ class Loop:
         zero cotangents); empty for a scan.
       forwards: ``forwards(stored, anchor_every)``, the loop's forward loops
         (:mod:`.forward`).
-      decided: what the body's last ``ys`` are, one
-        :class:`~revnet._engine.decisions.Kept` each: the decisions it stores.
+      decided: what the body's last ``ys`` are (a while loop's: its results
+        after the carry), one :class:`~revnet._engine.decisions.Kept` each:
+        the decisions it stores.
     """
 
     kind: str
@@ -106,11 +107,13 @@ def while_function(
     slots: int,
     anchor_every: int | None = None,
     report: Any = None,
+    decided: Sequence[Any] = (),
 ) -> Callable[..., Any]:
     """``run(body_consts, cond_consts, carry) -> carry``, a custom VJP while loop.
 
     Args:
-      body_jaxpr, cond_jaxpr: the body and condition, constants first.
+      body_jaxpr, cond_jaxpr: the body and condition, constants first; the
+        body returns the carry, then (with a ``bound``) ``decided``.
       mode: how the backward pass gets each carry (:mod:`.choose`).
       nk: the number of the body's constants.
       bound: the largest number of steps, or None.
@@ -118,6 +121,9 @@ def while_function(
       anchor_every: as in :func:`scan_function`; room is made for the anchors
         of ``bound`` steps (of one step without a bound: the initial carry).
       report: as in :func:`scan_function`.
+      decided: the records of the decisions the body returns after its carry
+        (:class:`~revnet._engine.decisions.Kept`), stored at every step in
+        room for ``bound`` steps.
 
     Returns:
       The loop, a ``jax.custom_vjp`` function.
@@ -128,6 +134,8 @@ def while_function(
         final = run(body_consts, cond_consts, init)
     """
     nc = len(body_jaxpr.invars) - nk
+    if decided and bound is None:
+        raise ValueError("while_function: stored decisions need a bound")
     sp = jx.ScanParams(jx.Body(body_jaxpr, ()), nk, nc, None, False)
     n_cond = len(cond_jaxpr.invars) - nc
     loop = Loop(
@@ -137,6 +145,7 @@ def while_function(
         lambda stored, every: forward.while_forwards(
             body_jaxpr, cond_jaxpr, bound, stored, every
         ),
+        tuple(decided),
     )
     return _loop_vjp(loop, mode, slots, anchor_every, report)
 
