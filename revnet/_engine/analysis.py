@@ -8,7 +8,10 @@ for its one unknown input when its outputs are known; a structural rule (a
 nested call, ``scan``, ``select_n``, covering slices) may produce a step of its
 own. The order of equations in the jaxpr does not matter. If an input stays
 unknown, :class:`~revnet._engine.errors.Stuck` is raised with the failure
-closest to the inputs.
+that explains it best: a failure waiting for values that other failing
+equations could not rebuild (a slice missing its sibling) gives way to those,
+then a broken rule comes first, then a refusal, then the one closest to the
+inputs.
 
 Plans refer to variables by position only, so :func:`analyze` caches them by
 the jaxpr's structure (:func:`revnet._engine.fingerprint.structure`): a
@@ -18,7 +21,7 @@ analysed again. :data:`stats` counts analyses and cache hits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -197,8 +200,22 @@ class Analysis:
         inner: Failure | None = None,
         rank: int = REFUSED,
         hint: str | None = None,
+        waits_for: Sequence[int] | Callable[[], Sequence[int]] = (),
     ):
-        self.failures[i] = Failure(eqn, reason, jx.where(eqn), inner, rank, hint)
+        self.failures[i] = Failure(
+            eqn, reason, jx.where(eqn), inner, rank, hint, waits_for
+        )
+
+    def fail_for_outputs(self, i: int, eqn: Any) -> None:
+        """The failure of an equation that needs all its outputs known and has
+        some unknown: it waits for them (see :meth:`_cause`)."""
+        self.fail(
+            i,
+            eqn,
+            "not all of its outputs are known; an output that does not reach "
+            "the function's outputs cannot be used to rebuild its inputs",
+            waits_for=[v for v in self.wiring.eqn_outs[i] if not self.is_known(v)],
+        )
 
     def distinct_unknowns(self, i: int, eqn: Any, ins: Sequence[bool]) -> bool:
         """False (and a failure) when one unknown value is used twice."""
@@ -234,14 +251,15 @@ class Analysis:
             if not k and v not in self.known
         ]
         if unknown:
-            # A rule that broke, else a refusal, explains more than an equation
-            # stuck for want of known operands (often their consequence); then
-            # the failure closest to the inputs.
+            # A failure waiting for values gives way to the failing equations
+            # that did not rebuild them (its cause). A rule that broke, else a
+            # refusal, explains more than an equation stuck for want of known
+            # operands (often their consequence); then the failure closest to
+            # the inputs.
             best = None
             if self.failures:
-                first = min(
-                    self.failures, key=lambda i: (self.failures[i].severity(), i)
-                )
+                causes = {self._cause(i) for i in self.failures}
+                first = min(causes, key=self._order)
                 best = self.failures[first]
                 if best.rank == WAITING and best.inner is None:
                     self._explain_residual(first, best)
@@ -249,6 +267,46 @@ class Analysis:
         return Plan(
             w, self.known_in, self.known_out, tuple(self.steps), dict(self.producer)
         )
+
+    def _order(self, i: int) -> tuple[int, int]:
+        """How well failure ``i`` explains the refusal, best least: by the
+        rank of its deepest failure, then closest to the inputs."""
+        return self.failures[i].severity(), i
+
+    def _cause(self, i: int) -> int:
+        """The failure that explains failure ``i``: itself, or, when it waits
+        for values (``Failure.waits_for``), the best of the failing equations
+        on the way from those values to the outputs, followed in turn.
+
+        A slice whose sibling stays unknown is not the cause: the equation
+        that could not rebuild the sibling is (the residual ``b * (1 + b**2)``
+        on the other half of a coupling).
+        """
+        seen = {i}
+        while True:
+            blockers = self._blockers(self.failures[i].waiting()) - seen
+            if not blockers:
+                return i
+            i = min(blockers, key=self._order)
+            seen.add(i)
+
+    def _blockers(self, values: Sequence[int]) -> set[int]:
+        """The failing equations first met on the way from the unknown
+        ``values`` through their consumers towards the outputs."""
+        found: set[int] = set()
+        seen: set[int] = set()
+        stack = list(values)
+        while stack:
+            v = stack.pop()
+            if v is None or v in seen or self.is_known(v):
+                continue
+            seen.add(v)
+            for j in self.consumers.get(v, ()):
+                if j in self.failures:
+                    found.add(j)
+                else:
+                    stack.extend(self.wiring.eqn_outs[j])
+        return found
 
     def _explain_residual(self, i: int, failure: Failure) -> None:
         """Rewords ``failure`` as a residual ``x + f(x)`` when it is one.
@@ -338,12 +396,7 @@ class Analysis:
         if not any(outs) or not self.distinct_unknowns(i, eqn, ins):
             return None
         if not all(outs):
-            self.fail(
-                i,
-                eqn,
-                "not all of its outputs are known; an output that does not reach "
-                "the function's outputs cannot be used to rebuild its inputs",
-            )
+            self.fail_for_outputs(i, eqn)
             return None
         try:
             abstract_solve(rule, eqn, ins, lambda n: self.static_value(i, n))

@@ -13,7 +13,7 @@ the analysis sets it for a residual and for a primitive in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -91,7 +91,13 @@ class Failure:
     """Why one equation could not be solved (``inner``: inside its body).
 
     ``rank`` is one of :data:`BROKEN`, :data:`REFUSED`, :data:`WAITING`;
-    ``hint`` is None or a key of :data:`HINTS`.
+    ``hint`` is None or a key of :data:`HINTS`. ``waits_for`` lists the
+    unknown values (by wiring position) without which the equation cannot be
+    solved although it would be with them: a slice whose sibling slices would
+    cover its operand, an equation with an output still unknown. The equations
+    that fail to rebuild them explain this failure, and are reported instead.
+    It may be a function giving that list, for a check that only a refusal
+    needs (see :meth:`waiting`).
     """
 
     eqn: Any
@@ -100,6 +106,13 @@ class Failure:
     inner: Failure | None = None
     rank: int = REFUSED
     hint: str | None = None
+    waits_for: Sequence[int] | Callable[[], Sequence[int]] = ()
+
+    def waiting(self) -> tuple[int, ...]:
+        """``waits_for``, computed once if it is a function."""
+        if callable(self.waits_for):
+            self.waits_for = tuple(self.waits_for())
+        return tuple(self.waits_for)
 
     def severity(self) -> int:
         """The rank of the deepest failure: the one that is reported."""

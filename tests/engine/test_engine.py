@@ -143,6 +143,41 @@ def test_error_names_the_equation_whose_rule_failed_not_its_consequences(rule, r
     assert "operands are unknown" not in msg and "\n" not in msg
 
 
+def _halves_by_slices(x):
+    return x[..., :2], x[..., 2:]
+
+
+def _halves_by_split(x):
+    return tuple(jnp.split(x, 2, -1))
+
+
+_HALVES = {
+    "slices": _halves_by_slices,
+    "split": _halves_by_split,
+    "slices in a remat": jax.checkpoint(_halves_by_slices),
+}
+
+
+@pytest.mark.parametrize("halves", sorted(_HALVES))
+def test_error_names_the_culprit_on_a_half_not_the_slice_missing_it(halves):
+    """The slices cover ``x``; one half is not rebuilt because of the residual
+    on it, which is what the refusal names, with its ``try:`` line."""
+
+    def coupling(x):
+        a, b = _HALVES[halves](x)
+        b2 = b * (1 + b**2)  # the culprit
+        return jnp.concatenate([b2 + jnp.tanh(a), a], -1)
+
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.invertible(coupling)(jnp.ones((3, 4)))
+    first, hint = str(info.value).split("\n")
+    line = coupling.__code__.co_firstlineno + 2
+    assert "cannot solve `mul` at " in first, first
+    assert f"test_engine.py:{line}:" in first, first
+    assert "residual x * f(x)" in first and "args[0]" in first, first
+    assert hint.startswith("try: split the stream into halves"), hint
+
+
 # --------------------------------------------------------------------------- #
 # Plans keyed by structure: warm eager calls analyse nothing and print nothing.
 

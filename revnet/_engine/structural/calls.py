@@ -64,12 +64,7 @@ class CallRule(registry.StructuralRule):
             an.fail(i, eqn, _no_body(eqn))
             return None
         if not all(outs) and (custom_ivjp or body is None):
-            an.fail(
-                i,
-                eqn,
-                "not all of its outputs are known; an output that does not reach "
-                "the function's outputs cannot be used to rebuild its inputs",
-            )
+            an.fail_for_outputs(i, eqn)
             return None
         if custom_ivjp:
             return self._custom(an, i, eqn, tag, ins)
@@ -78,7 +73,13 @@ class CallRule(registry.StructuralRule):
         try:
             plan = analysis.analyze(body.jaxpr, known_in, tuple(outs))
         except Stuck as stuck:
-            an.fail(i, eqn, "its body is not invertible", stuck.failure)
+            an.fail(
+                i,
+                eqn,
+                "its body is not invertible",
+                stuck.failure,
+                waits_for=lambda: _waits_for(an, i, body, known_in, outs),
+            )
             return None
         custom = jx.custom_rule_kind(eqn) is not None and tag is None
         step = Call(i, unknown, plan, custom)
@@ -140,6 +141,18 @@ class CallRule(registry.StructuralRule):
         unknown = tuple(range(nh + n_const, len(ins)))
         step = Custom(i, unknown, nh, n_const, in_tree, out_tree)
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
+
+
+def _waits_for(an, i, body, known_in, outs) -> list:
+    """The unknown outputs of call ``i`` when its body would be invertible
+    with them known (its failure is then theirs), else none."""
+    if all(outs):
+        return []
+    try:
+        analysis.analyze(body.jaxpr, known_in, (True,) * len(outs))
+    except Stuck:
+        return []
+    return [v for v in an.wiring.eqn_outs[i] if not an.is_known(v)]
 
 
 def _body(eqn):

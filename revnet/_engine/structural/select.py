@@ -5,9 +5,12 @@ inverted separately from the selected output, by a chain of *position-wise*
 solves back to values common to all cases: elementwise rules (the property
 recorded on each rule in the registry), structural equations whose rule's
 ``positionwise`` hook says so (calls and scans whose bodies are such chains),
-and nested selects with a known predicate, which fork the chain. Where the
-predicates pick a chain, its reconstruction is exact; the results are merged
-with the predicates.
+and nested selects with a known predicate, which fork the chain. A nested
+select on the outer select's own predicate (the safe ``where`` inside
+``jax.nn.elu``) does not fork: it picks the same position, known predicate or
+not (a flow's log-determinant reads elu's predicate, which is then stored).
+Where the predicates pick a chain, its reconstruction is exact; the results
+are merged with the predicates.
 
 An unknown predicate computed from the common values alone (leaky ReLU's
 ``x > 0``; a nested select on that same predicate, as inside ``jax.nn.elu``,
@@ -105,9 +108,10 @@ def _chain_to(an, case, shape, same=None):
     predicate forks the walk, one leaf per case, recorded in the chain as
     ``(eqn, "select_n", case position)``. ``local`` lists the variables the
     chain rebuilds, each exact where every select on the way picks that leaf.
-    ``same`` is ``(pred, position)`` of the outer select's unknown predicate
-    and this case: a nested select on that very predicate (the safe ``where``
-    inside ``jax.nn.elu``) picks the same position, and is followed there.
+    ``same`` is ``(pred, position)`` of the outer select's predicate (known or
+    not) and this case: a nested select on that very predicate (the safe
+    ``where`` inside ``jax.nn.elu``) picks the same position, and is followed
+    there.
     """
     w, steps, local, v = an.wiring, (), (case,), case
     while (j := an.eqn_of.get(v)) is not None:
@@ -145,9 +149,10 @@ def _chain_to(an, case, shape, same=None):
 
 
 def _on_same(an, j, same) -> bool:
-    """Whether select ``j`` reads the outer select's unknown predicate."""
+    """Whether select ``j`` reads the outer select's predicate (known, or
+    unknown and decided by consistency): it then picks the same position."""
     ids = an.wiring.eqn_ins[j]
-    return ids[0] == same[0] and not an.is_known(same[0]) and len(ids) > same[1]
+    return ids[0] is not None and ids[0] == same[0] and len(ids) > same[1]
 
 
 def _forks(an, j, local, shape):

@@ -25,26 +25,34 @@ class TileRule(registry.StructuralRule):
         operand = an.wiring.eqn_ins[i][0]
         if an.is_known(operand):
             return None
-        cover = np.zeros(an.avals[operand].shape, dtype=bool)
-        used = []
+        shape = an.avals[operand].shape
+        cover, known_cover = np.zeros(shape, bool), np.zeros(shape, bool)
+        used, missing = [], []
         for j in an.consumers.get(operand, ()):
             e = an.jaxpr.eqns[j]
             if jx.primitive_name(e) != "slice" or an.wiring.eqn_ins[j][0] != operand:
-                continue
-            if not all(an.is_known(v) for v in an.wiring.eqn_outs[j]):
                 continue
             strides = e.params.get("strides")
             if strides is not None and any(s != 1 for s in strides):
                 continue
             start, limit = e.params["start_indices"], e.params["limit_indices"]
-            cover[tuple(slice(a, b) for a, b in zip(start, limit))] = True
+            region = tuple(slice(a, b) for a, b in zip(start, limit))
+            cover[region] = True
+            unknown = [v for v in an.wiring.eqn_outs[j] if not an.is_known(v)]
+            if unknown:
+                missing += unknown
+                continue
+            known_cover[region] = True
             used.append(j)
-        if not used or not cover.all():
+        if not used or not known_cover.all():
+            # Pieces still unknown that would complete the cover: the equations
+            # that fail to rebuild them are the cause (Analysis._cause).
             an.fail(
                 i,
                 eqn,
                 "`slice` has no inverse rule; slices rebuild a value only when "
                 "together they cover it",
+                waits_for=missing if cover.all() else (),
             )
             return None
         return Tile(operand, tuple(used)), [operand], tuple(used)
