@@ -25,9 +25,9 @@ bodies. Only a ``scan`` moves the batch's axes from the front: it stacks its
 ``ys`` on one more leading axis and slices its ``xs`` off one, so a
 ``LEADING + d`` value reaches a step's body as ``LEADING + d - 1``. A call
 hands stacked values to its body; any other equation reading one (a
-``shard_map`` too) is :data:`MIXED`. So every value that a step
-other than a scan solves leads with the batch's axes, as the terms' reduction
-assumes (a scan reduces its steps' terms in its body).
+``shard_map`` too) is :data:`MIXED`. So every value that a step other than a
+scan solves leads with the batch's axes, as the terms' reduction assumes (a
+scan reduces its steps' terms in its body).
 """
 
 from __future__ import annotations
@@ -150,8 +150,7 @@ def _conv(eqn, flags, k) -> bool:
 
 def _by_params(eqn, flags, k) -> bool:
     """Whether an equation with batched inputs keeps the leading axes."""
-    p = eqn.params
-    name = jx.primitive_name(eqn)
+    p, name = eqn.params, jx.primitive_name(eqn)
     if name == "dot_general":
         return _dot_general(eqn, flags, k)
     if name == "conv_general_dilated":
@@ -162,9 +161,9 @@ def _by_params(eqn, flags, k) -> bool:
         return tuple(p["broadcast_dimensions"][:k]) == tuple(range(k))
     if name == "reshape":
         return p.get("dimensions") is None
-    if name == "gather":
-        return _gather(eqn, flags, k)
-    if name in ("slice", "pad", "dynamic_slice", "scatter"):
+    if name in ("gather", "scatter", "scatter-add"):
+        return _indexing(eqn, flags, k)
+    if name in ("slice", "pad", "dynamic_slice"):
         return _untouched(eqn, k)
     keys = set(p) - _HARMLESS
     axis_keys = {"axes", "axis", "dimension", "dimensions"}
@@ -173,16 +172,22 @@ def _by_params(eqn, flags, k) -> bool:
     return False
 
 
-def _gather(eqn, flags, k) -> bool:
-    """A gather by indices that read no example (``x[..., perm]``) that
-    takes whole batch axes and keeps them leading."""
+def _indexing(eqn, flags, k) -> bool:
+    """A gather or scatter by indices that read no example (``x[..., perm]``,
+    ``z.at[..., perm].set(x)``) whose windows take whole batch axes and keep
+    them leading."""
     if flags[1] != UNBATCHED:
         return False
-    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
-    shape = jx.aval(eqn.invars[0]).shape
-    named = {*dn.start_index_map, *dn.collapsed_slice_dims, *dn.operand_batching_dims}
+    dn, shape = eqn.params["dimension_numbers"], jx.aval(eqn.invars[0]).shape
+    if jx.primitive_name(eqn) == "gather":
+        sizes, windows = eqn.params["slice_sizes"], dn.offset_dims
+        named = {*dn.start_index_map, *dn.collapsed_slice_dims}
+    else:
+        sizes, windows = jx.aval(eqn.invars[2]).shape, dn.update_window_dims
+        named = {*dn.scatter_dims_to_operand_dims, *dn.inserted_window_dims}
+    named |= {*dn.operand_batching_dims}
     return all(b not in named and sizes[b] == shape[b] for b in range(k)) and tuple(
-        dn.offset_dims[:k]
+        windows[:k]
     ) == tuple(range(k))
 
 

@@ -277,25 +277,40 @@ def show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# Why an inverse gave a non-finite value, where its primitive says it: the
+# inverse of ``dot_general`` solves with its known matrix, and that of
+# ``gather`` marks the elements its indices do not read exactly once.
+_DEGENERATE = {
+    "dot_general": (
+        "its known matrix is singular (or nearly), so these values cannot be "
+        f"rebuilt\n{HINTS[SINGULAR]}"
+    ),
+    "gather": (
+        "its indices read some elements more than once and others never (not a "
+        "permutation), so those values cannot be rebuilt; permute with indices "
+        "that read each element once, or use ordinary backprop for this part"
+    ),
+}
+
+
 def degenerate(eqn: Any) -> str:
     """The run-time message for an inverse that gave a non-finite value.
 
-    The inverse of ``dot_general`` solves with its known matrix, so a
-    non-finite value there means that matrix is singular (a weight, or a value
-    computed at run time, that the analysis could not see): the message says so,
-    with the hint for a singular matrix.
+    A non-finite value from ``dot_general``'s inverse means its known matrix is
+    singular (a weight, or a value computed at run time, that the analysis
+    could not see), and from ``gather``'s that its indices are not a
+    permutation: the message says so.
     """
     where = jx.where(eqn)
+    name = jx.primitive_name(eqn)
     at = f" at {where}" if where else ""
-    if jx.primitive_name(eqn) == "dot_general":
-        return (
-            f"the inverse of `dot_general`{at} gave a non-finite value from finite "
-            "values: its known matrix is singular (or nearly), so these values "
-            f"cannot be rebuilt\n{HINTS[SINGULAR]}"
-        )
-    return (
-        f"the inverse of `{jx.primitive_name(eqn)}`{at} gave a non-finite value "
-        "from finite values (a zero factor, a singular matrix, a saturated "
-        "tanh/logistic, a dropout mask on the stream): these values cannot be "
-        "rebuilt; use ordinary backprop for this part"
+    why = _DEGENERATE.get(
+        name,
+        "(a zero factor, a singular matrix, a saturated tanh/logistic, a dropout "
+        "mask on the stream): these values cannot be rebuilt; use ordinary "
+        "backprop for this part",
+    )
+    sep = " " if why.startswith("(") else ": "
+    return f"the inverse of `{name}`{at} gave a non-finite value from finite values" + (
+        sep + why
     )

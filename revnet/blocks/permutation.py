@@ -3,10 +3,11 @@
 Both are plain ``jnp`` code that can be chained with couplings inside a block
 of a :class:`~revnet.blocks.ReversibleSequence`. The core inverts the reshapes
 and transposes of :class:`Squeeze` and the reversal of
-``ChannelPermutation("reverse")`` by their rules. A gather by a constant
-permutation has no rule (the analysis sees indices, not a permutation), so the
-random permutation is a :class:`revnet.custom_ivjp` function that carries its
-own fused inverse and VJP: gathers by the inverse permutation.
+``ChannelPermutation("reverse")`` by their rules. The core's rule for a
+permuting gather solves it by a scatter and checks at run time that the
+indices are a permutation; the random permutation is known to be one, so it is
+a :class:`revnet.custom_ivjp` function that carries its own fused inverse and
+VJP: gathers by the inverse permutation.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ and vmap like any JAX code. The families follow ``jax.lax``, one module each:
   ``cumsum``;
 * :mod:`.layout`: ``reshape``, ``transpose``, ``broadcast_in_dim`` adding
   unit dimensions, ``rev``, ``concatenate``, ``split``;
+* :mod:`.indexing`: ``gather``, ``scatter`` and ``scatter-add`` with known
+  indices that permute (``x[..., perm]``, ``z.at[perm].set(x)``), solved by
+  their transposes; ``scatter-add`` solved for its operand;
 * :mod:`.linalg`: ``dot_general`` with a known square matrix;
 * :mod:`.sharding`: identity-like ``sharding_constraint``, ``reshard``,
   ``pvary`` (``pcast`` to varying); ``ppermute`` (the inverse permutation),
@@ -23,7 +26,7 @@ and vmap like any JAX code. The families follow ``jax.lax``, one module each:
 Each rule carries its term of the log-determinant
 (:func:`revnet.forward_and_log_det`): ``log|f'(x)|`` for a bijection, ``log|k|``
 for a known factor, ``slogdet`` of a known matrix per row, zero for sums of
-known values, layout ops and ``cumsum``; ``all_gather`` has none.
+known values, layout ops, permutations by index and ``cumsum``; ``all_gather`` has none.
 
 :data:`TABLE` lists every rule with its properties; :func:`register_all` puts
 them in the engine's registry. Structural rules (nested calls, ``scan``,
@@ -46,6 +49,7 @@ from revnet.rules.elementwise import (
     unary,
     unary_term,
 )
+from revnet.rules.indexing import INDEXING
 from revnet.rules.layout import LAYOUT
 from revnet.rules.linalg import check_dot_general, dot_general, dot_general_term
 from revnet.rules.sharding import SHARDING
@@ -69,6 +73,7 @@ TABLE: dict[
     "convert_element_type": (convert_element_type, None, True, 0),
     "cumsum": (cumsum, None, False, 0),
     **{name: (fn, None, False, 0) for name, fn in LAYOUT.items()},
+    **{name: (fn, None, False, 0) for name, fn in INDEXING.items()},
     "dot_general": (dot_general, check_dot_general, False, dot_general_term),
     **{name: (fn, None, False, ld) for name, (fn, ld) in SHARDING.items()},
 }
@@ -84,6 +89,7 @@ register_all()
 
 __all__ = [
     "ARITHMETIC",
+    "INDEXING",
     "LAYOUT",
     "SHARDING",
     "TABLE",

@@ -119,6 +119,18 @@ def _cases():
                 _x(),
             ),
             "cumsum": (lambda x: jnp.cumsum(x, 1) * 2.0, (), _x()),
+            # x[..., perm]: a gather that permutes each example's features.
+            "permuting gather": (
+                lambda x: jnp.tanh(x[..., np.array([2, 0, 3, 1])] * 1.5),
+                (),
+                _x(),
+            ),
+            # ... and written back by a scatter, as an inverse permutation is.
+            "permuting scatter": (
+                lambda x: jnp.zeros_like(x).at[:, np.array([2, 0, 3, 1])].set(2 * x),
+                (),
+                _x(),
+            ),
             "reverse cumsum": (lambda x: lax.cumsum(x, 0, reverse=True), (), _x()),
             "layout": (
                 lambda x: jnp.transpose(jnp.reshape(x[:, ::-1], (2, 6)))[::-1] * 1.5,
@@ -559,6 +571,8 @@ PER_EXAMPLE = [
     "checkpoint",
     "dot with a known matrix",
     "cumsum",
+    "permuting gather",
+    "permuting scatter",
     "per-example layout",
     "mul by a known value",
 ]
@@ -596,8 +610,14 @@ def test_per_example_log_det(name):
         lambda x: jnp.cumsum(x, 0) * 2.0,  # along the batch axis
         lambda x: jnp.exp(x.reshape(4, 3)).reshape(3, 4),  # the batch axis merged
         lambda x: jnp.exp(x.T).T,  # moved, then solved
+        lambda x: jnp.zeros_like(x).at[np.array([1, 2, 0])].set(x),  # examples
     ],
-    ids=["cumsum over the batch", "reshape across the batch", "transposed"],
+    ids=[
+        "cumsum over the batch",
+        "reshape across the batch",
+        "transposed",
+        "scattered across the batch",
+    ],
 )
 def test_per_example_refuses_programs_that_mix_examples(f):
     with jax.enable_x64(True):

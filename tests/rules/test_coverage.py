@@ -53,6 +53,8 @@ def _registered_rule_names() -> set[str]:
 
 
 SHAPE = (4, 6)
+_PERM = np.array([3, 0, 5, 1, 4, 2], np.int32)  # of SHAPE's last axis
+_ROWS = np.array([2, 3, 1, 0], np.int32)  # of its first
 _MASK = np.arange(24).reshape(SHAPE) % 3 == 0
 
 
@@ -195,6 +197,20 @@ _RULE_CASES: dict[str, _Case] = {
         slow=_SLOW,
     ),
     "rev": _unary("rev", lambda v: jnp.flip(v, 0)),
+    # A permutation of the features (x[..., perm]) and, further, of the rows by
+    # a jnp.take whose indices arrive in another order than sorted.
+    "gather": _unary("gather", lambda v: v[..., _PERM]),
+    "gather:rows": _unary(
+        "gather", lambda v: jnp.take(v, jnp.asarray(_ROWS), axis=0), slow=_SLOW
+    ),
+    # The inverse permutation written back: z.at[..., perm].set(x) and .add(x).
+    "scatter": _unary("scatter", lambda v: jnp.zeros_like(v).at[:, _PERM].set(v)),
+    "scatter-add": _unary("scatter-add", lambda v: jnp.ones_like(v).at[_ROWS].add(v)),
+    # A known update added into the unknown operand, at any indices.
+    "scatter-add:operand": _Case(
+        lambda x, w: (x * _s(w)).at[:, np.array([0, 0, 2], np.int32)].add(w[:, :3]),
+        ("scatter-add",),
+    ),
     "concatenate": _Case(
         lambda x, w: jnp.concatenate([x * _s(w), jnp.tanh(w)], axis=0),
         ("concatenate",),

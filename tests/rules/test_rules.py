@@ -9,7 +9,7 @@ import pytest
 
 import revnet
 from tests import fuzz as fz
-from tests.helpers import check_against_autodiff
+from tests.helpers import check_against_autodiff, runtime_checks, tolerance
 
 
 def _normal(seed, shape, dtype=jnp.float64):
@@ -130,6 +130,61 @@ def test_dot_with_non_square_matrix_is_rejected():
     m = jnp.ones((4, 3))
     with pytest.raises(revnet.NotInvertibleError, match="square"):
         revnet.invertible(lambda x: x @ m)(jnp.ones((2, 4)))
+
+
+def test_gather_that_drops_elements_is_rejected():
+    idx = np.array([0, 2, 3], np.int32)
+    with pytest.raises(revnet.NotInvertibleError, match="only a permutation"):
+        revnet.invertible(lambda x: x[..., idx])(jnp.ones((2, 4)))
+
+
+def test_gather_that_reads_an_element_twice_is_reported():
+    """Same size, not a permutation: the elements read twice or never are
+    rebuilt as NaN, never as a finite wrong value, and the run-time checks
+    name the gather and why."""
+    idx = np.array([0, 0, 1, 2], np.int32)
+    f = lambda x: x[..., idx]  # noqa: E731
+    x = jnp.arange(8.0).reshape(2, 4)
+    with runtime_checks(False):
+        (back,) = revnet.inverse(f, x)(f(x))
+    np.testing.assert_array_equal(np.isnan(back), [[1, 0, 0, 1]] * 2)
+    np.testing.assert_array_equal(back[:, 1:3], x[:, 1:3])
+    with runtime_checks(True), pytest.raises(Exception, match="not a permutation"):
+        jax.block_until_ready(revnet.inverse(f, x)(f(x)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gather_by_a_permutation_passed_as_an_argument(dtype):
+    """Indices that are an argument (known, not constant) are a run-time
+    permutation: inverted, with plain autodiff's gradients."""
+    with jax.enable_x64(dtype == "float64"):
+        perm = jnp.asarray([2, 0, 3, 1], jnp.int32)
+        x = _normal(1, (3, 4), dtype)
+        inv = revnet.inverse(lambda p, x: x[:, p], perm, x, known_argnums=(0,))
+        np.testing.assert_array_equal(inv(x[:, perm])[1], x)
+        g = revnet.invertible(lambda p, x: x[:, p] * 3.0, known_argnums=(0,))
+        loss = lambda h: lambda x: jnp.sum(jnp.sin(h(perm, x)))  # noqa: E731
+        got = jax.grad(loss(g))(x)
+        want = jax.grad(loss(lambda p, x: x[:, p] * 3.0))(x)
+        np.testing.assert_allclose(got, want, rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sort_on_the_stream_is_inverted_by_its_stored_permutation(dtype):
+    """``sort`` jumps: its permutation is stored as a decision, and the gather
+    by it is inverted. A bare inverse has no stored permutation: refused."""
+    with jax.enable_x64(dtype == "float64"):
+        x = _normal(2, (4, 5), dtype)
+        f = lambda x: jnp.sort(x, axis=-1) * 2.0  # noqa: E731
+        loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))  # noqa: E731
+        got = jax.grad(loss(revnet.invertible(f)))(x)
+        np.testing.assert_allclose(got, jax.grad(loss(f))(x), rtol=tolerance(dtype))
+        kept = revnet.stored(loss(revnet.invertible(f)), x).entries
+        assert [(e.kind, e.dtype) for e in kept if e.kind == "decision"] == [
+            ("decision", jnp.dtype("int32"))
+        ]
+        with pytest.raises(revnet.NotInvertibleError, match="`sort` has no inverse"):
+            revnet.inverse(f, x)
 
 
 # --------------------------------------------------------------------------- #
