@@ -292,7 +292,7 @@ def test_models_pass_decisions_and_kinks_to_their_stacks_checked_once(name):
 
 def test_revnet_kinks_are_stored_per_unit_only_when_asked():
     # RevNet's units take relu of the rebuilt half: kinks="store" keeps their
-    # branches; decisions="recompute" stores nothing, kinks included.
+    # branches, whatever decisions= is; the defaults keep none.
     config = blocks.RevNetConfig((2,), (4, 4))
     x = jnp.ones([2, 4, 4, 3])
 
@@ -310,4 +310,8 @@ def test_revnet_kinks_are_stored_per_unit_only_when_asked():
 
     assert "kink" not in kept()
     assert kept(kinks="store")["kink"] > 0
-    assert "kink" not in kept(kinks="store", decisions="recompute")
+    assert (
+        kept(kinks="store", decisions="recompute")["kink"]
+        == kept(kinks="store")["kink"]
+    )
+    assert "kink" not in kept(decisions="recompute")
