@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import known_args, log_det, trace_program
+from revnet._engine import known_args, log_det, reads, trace_program
 from revnet.invertible import _check_args, _Invertible, exposed_plan, invertible
 
 __all__ = ["forward_and_log_det"]
@@ -123,6 +123,8 @@ def derive(
     known_argnums: tuple[int, ...],
     batch_ndim: int,
     advice: str,
+    *,
+    aux: str | None = None,
 ) -> tuple[Any, jax.Array]:
     """:func:`forward_and_log_det`, its arguments checked, for callers with
     their own words for what a user can change (a front door's method takes no
@@ -135,19 +137,29 @@ def derive(
       batch_ndim: As for :func:`forward_and_log_det`, a non-negative int.
       advice: What ends the refusal of a program that mixes the batch's
         examples: how to change the call or the program.
+      aux: None; or, for a ``fun`` that returns ``(outputs, aux)`` (a layer's
+        new state beside its output), the one-line refusal of an ``aux``
+        computed from a rebuilt argument: ``aux`` is no part of the map, so
+        the program must compute it from the known values alone (the
+        parameters, the old state, the RNG keys).
 
     Returns:
-      ``(outputs, log_det)``, as :func:`forward_and_log_det`.
+      ``(outputs, log_det)``, as :func:`forward_and_log_det`; with ``aux``,
+      ``((outputs, aux), log_det)``.
+
+    Raises:
+      ValueError: With ``aux``'s message, if the program computes ``aux``
+        from a rebuilt argument.
     """
     options: Any = _Options()
     if isinstance(fun, _Invertible):
         options = fun
         known = tuple(sorted({*fun.known_argnums, *known_argnums}))
-        inner = _WithLogDet(fun.fun, known, options, batch_ndim, advice)
+        inner = _WithLogDet(fun.fun, known, options, batch_ndim, advice, aux)
         return invertible(
             inner, known_argnums=known, decisions=fun.decisions, kinks=fun.kinks
         )(*args)
-    return _WithLogDet(fun, known_argnums, options, batch_ndim, advice)(*args)
+    return _WithLogDet(fun, known_argnums, options, batch_ndim, advice, aux)(*args)
 
 
 class _Options:
@@ -165,9 +177,10 @@ class _WithLogDet:
         options: Any,
         batch_ndim: int,
         advice: str,
+        aux: str | None = None,
     ):
         self.fun, self.known, self.options = fun, known, options
-        self.batch_ndim, self.advice = batch_ndim, advice
+        self.batch_ndim, self.advice, self.aux = batch_ndim, advice, aux
         self.__name__ = getattr(fun, "__name__", "function")
 
     def __call__(self, *args: Any) -> tuple[Any, jax.Array]:
@@ -189,6 +202,11 @@ class _WithLogDet:
             jaxpr, len(consts), args, known, lambda: paths, fname, self.options
         )
         n_out = len(jaxpr.outvars)
+        if self.aux is not None:  # the leaves of ``outputs`` come first
+            n_out = out_tree.children()[0].num_leaves
+            flagged = [False] * len(consts) + [True] * len(flat_args)
+            if any(reads(jaxpr, flagged)[n_out:]):
+                raise ValueError(self.aux)
         dtype = _check_square(flat_args, jaxpr.outvars[:n_out], fname)
 
         def reduce(term, aval, eqn, shape):
@@ -214,7 +232,8 @@ class _WithLogDet:
             n_out,
             self.advice,
         )
-        return jax.tree_util.tree_unflatten(out_tree, outs[:n_out]), total
+        outs = outs[: len(jaxpr.outvars)]
+        return jax.tree_util.tree_unflatten(out_tree, outs), total
 
 
 def _check_floating(flat_args, paths, fname: str) -> None:

@@ -172,6 +172,20 @@ def per_example_slogdet(f, known, x, *, jac=jax.jacfwd):
     return jnp.stack([one(x[b]) for b in range(x.shape[0])])
 
 
+def batch_block_slogdet(f, x, *, jac=jax.jacfwd):
+    """One ``log|det|`` per example of the Jacobian of the whole batch's map
+    ``f`` (``[batch, ...] -> [batch, ...]``): its diagonal blocks, after
+    checking that the others are zero (each example's output reads its own
+    example alone). For maps that hold per-position state, such as dropout
+    masks drawn for the whole batch, which a batch of one would not draw."""
+    b = x.shape[0]
+    full = jac(lambda v: f(v.reshape(x.shape)).reshape(b, -1))(x.reshape(b, -1))
+    blocks = jnp.stack([full[i, :, i, :] for i in range(b)])
+    off = full.at[jnp.arange(b), :, jnp.arange(b), :].set(0.0)
+    np.testing.assert_array_equal(off, 0.0, err_msg="examples are mixed")
+    return jnp.linalg.slogdet(blocks)[1]
+
+
 def compiled(fn, *args):
     """Lowers and compiles ``jax.jit(fn)`` for ``args``."""
     return jax.jit(fn).lower(*args).compile()

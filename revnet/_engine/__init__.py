@@ -29,6 +29,7 @@ from revnet._engine import (
     tracing,  # noqa: F401  (registers: the preparation of nested jaxpr bodies)
 )
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
+from revnet._engine.batch_axes import reads
 from revnet._engine.cache import LRU
 from revnet._engine.decisions import (
     DECISION_MARK,
@@ -104,6 +105,7 @@ __all__ = [
     "choose",
     "not_invertible",
     "perturbed",
+    "reads",
     "sharding",
     "show",
     "struct",

@@ -210,6 +210,17 @@ def _untouched(eqn, k) -> bool:
     return False
 
 
+def reads(jaxpr: Any, flagged: Sequence[bool]) -> list[bool]:
+    """Whether each output of ``jaxpr`` is computed from an input flagged True:
+    :class:`Tracker`'s :data:`UNBATCHED` with the flagged inputs batched (one
+    example, ``k = 0``). Nested calls, a ``scan``'s carry (to a fixed point)
+    and a ``cond``'s branches are read through; a ``while`` or a ``cond`` whose
+    predicate reads a flagged input reads it in every output.
+    """
+    flags = [LEADING if f else UNBATCHED for f in flagged]
+    return [f != UNBATCHED for f in Tracker(()).run(jaxpr, flags)[1]]
+
+
 class Tracker:
     """Flags the variables of one jaxpr (by the plan's wiring ids).
 

@@ -49,6 +49,14 @@ from revnet.logdet import derive
 # change instead.
 PER_EXAMPLE = "a flow's blocks must map each example on its own"
 
+# The refusal of a flow whose blocks' new state is computed from the stream.
+STATE_READS_INPUT = (
+    "{name}: forward_and_log_det needs blocks whose map depends on the input "
+    "alone, but a block's new state is computed from the input (such as "
+    "BatchNorm's batch statistics in training mode, which mix the examples); "
+    "use ActNorm, or run it in eval mode."
+)
+
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 """``layer(params, state, key, h) -> (y, new_state)``, pure."""
 
@@ -210,10 +218,18 @@ def run_stack_with_log_det(
     name: str = "stack",
     batch_ndim: int = 1,
     length: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Runs a stack of flow steps: ``(y, log_det)``, one log-determinant per
-    example (the leading axis of ``h``), derived from the program; with
-    ``batch_ndim=0``, ``h`` is one example and ``log_det`` a scalar.
+) -> tuple[jax.Array, jax.Array, Any]:
+    """Runs a stack of flow steps: ``(y, log_det, new_state)``, one
+    log-determinant per example (the leading axis of ``h``), derived from the
+    program; with ``batch_ndim=0``, ``h`` is one example and ``log_det`` a
+    scalar.
+
+    The layers' new state is no part of the map, so the program must compute
+    it without the stream: state passed through unchanged (BatchNorm's in
+    eval mode) or advanced on its own (an RNG stream's counter) is returned
+    as :func:`run_stack` returns it, and the log-determinant is that of the
+    map with the given state and keys; state computed from the stream
+    (BatchNorm's batch statistics in training mode) is refused.
 
     Reversibly (the default) the log-determinant is one more output of the
     stack's reversible call, so its gradient, like the output's, costs
@@ -231,12 +247,13 @@ def run_stack_with_log_det(
       length: As for :func:`run_stack`.
 
     Returns:
-      ``(y, log_det)``, ``log_det`` of shape ``[batch]`` (a scalar for one
-      example).
+      ``(y, log_det, new_state)``, ``log_det`` of shape ``[batch]`` (a scalar
+      for one example), ``new_state`` as :func:`run_stack`'s.
 
     Raises:
-      ValueError: If anchors or a drift monitor are asked for, or a layer
-        updates state (a flow's map must be a function of its input alone).
+      ValueError: If anchors or a drift monitor are asked for, or a layer's
+        new state is computed from the stream (a flow's map must be a
+        function of its input alone).
       revnet.NotInvertibleError: If a layer cannot be inverted or its
         log-determinant cannot be derived.
 
@@ -246,7 +263,8 @@ def run_stack_with_log_det(
     ...   h1, h2 = jnp.split(h, 2, axis=-1)
     ...   return jnp.concatenate([h1, h2 * jnp.exp(jnp.tanh(h1 @ w))], -1), state
     >>> w = 0.1 * jnp.ones([8, 2, 2])
-    >>> y, log_det = run_stack_with_log_det(layer, (w, None, None), jnp.ones([3, 4]))
+    >>> h = jnp.ones([3, 4])
+    >>> y, log_det, _ = run_stack_with_log_det(layer, (w, None, None), h)
     >>> log_det.shape
     (3,)
     """
@@ -256,19 +274,10 @@ def run_stack_with_log_det(
             "it takes no anchor_every or drift (build the flow without them)."
         )
     stack = _stack_fn(layer, per_layer, options, name, length)
-
-    def outputs(h):
-        y, new_state = stack(h)
-        if jax.tree.leaves(new_state):
-            raise ValueError(
-                f"{name}: forward_and_log_det needs blocks whose map depends on "
-                "the input alone, but a block updates state (such as BatchNorm's "
-                "statistics in training mode); use ActNorm, or run it in eval mode."
-            )
-        return y
-
-    outputs.__name__ = name
-    return derive(_reversible(outputs, options), (h,), (), batch_ndim, PER_EXAMPLE)
+    refusal = STATE_READS_INPUT.format(name=name)
+    fn = _reversible(stack, options)
+    (y, new_state), log_det = derive(fn, (h,), (), batch_ndim, PER_EXAMPLE, aux=refusal)
+    return y, log_det, new_state
 
 
 def invert_stack(

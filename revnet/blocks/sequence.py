@@ -206,11 +206,7 @@ class ReversibleSequence(OptionViews, hk.Module):
             name=self.module_name,
             length=self.num_layers,
         )
-        self._compute.check_used(self.module_name)
-        if self._stacked:
-            new_states = (new_states,)
-        for fn, state in zip(self._lifted, new_states, strict=True):
-            fn.update_state(state)
+        _write_state(self, new_states)
         return y
 
     def forward_and_log_det(
@@ -223,6 +219,11 @@ class ReversibleSequence(OptionViews, hk.Module):
         training a flow on ``log_prob(y) + log_det`` keeps activation memory
         flat in depth (with ``reversible=False``: ordinary autodiff).
 
+        The blocks' new state is written back as by a call: state the blocks
+        do not compute from ``x`` (``hk.BatchNorm``'s with
+        ``is_training=False``) is fine, and dropout draws its keys from the
+        ``rng`` of ``apply`` as a call does.
+
         Args:
           x: Input of shape ``[batch, ...]``.
           *args: Static extra arguments for ``block_fn``.
@@ -233,13 +234,14 @@ class ReversibleSequence(OptionViews, hk.Module):
 
         Raises:
           ValueError: If the sequence has anchors or a drift monitor, or a
-            block updates state.
+            block's new state is computed from ``x`` (BatchNorm's batch
+            statistics with ``is_training=True``).
           revnet.NotInvertibleError: If a block cannot be inverted or its
             log-determinant cannot be derived (the message names the step).
         """
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._layers(x, args, kwargs)
-        out = run_stack_with_log_det(
+        y, log_det, new_states = run_stack_with_log_det(
             layer,
             per_layer,
             x,
@@ -247,13 +249,16 @@ class ReversibleSequence(OptionViews, hk.Module):
             name=self.module_name,
             length=self.num_layers,
         )
-        self._compute.check_used(self.module_name)
-        return out
+        _write_state(self, new_states)
+        return y, log_det
 
     def inverse(self, y: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         """Rebuilds the input from the output ``y``.
 
-        Use the same RNG key and arguments as the forward call to replay dropout.
+        Use the same RNG key and arguments as the forward call to replay
+        dropout: with dropout, call ``inverse`` in a separate ``apply`` with
+        the same ``rng`` as the forward call's (inside the same ``apply`` the
+        rng sequence has advanced, so the masks differ).
 
         Args:
           y: Output of this sequence.
@@ -299,6 +304,18 @@ class Stage(ReversibleSequence):
     ):
         hk.Module.__init__(self, name=name)
         _build(self, block_fn, num_layers, options, None)
+
+
+def _write_state(seq: ReversibleSequence, new_states: Any) -> None:
+    """Checks that the compute dtype was used and writes the blocks' new
+    state (from the stack) into the enclosing transform. A function, not a
+    method, like :func:`_build`: Haiku scopes what a module's methods do
+    under the methods' names."""
+    seq._compute.check_used(seq.module_name)
+    if seq._stacked:
+        new_states = (new_states,)
+    for fn, state in zip(seq._lifted, new_states, strict=True):
+        fn.update_state(state)
 
 
 def _build(

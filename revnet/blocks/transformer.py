@@ -177,7 +177,9 @@ class ReversibleTransformer(hk.Module):
         """Rebuilds the input from the output ``y``.
 
         Use the same RNG key and ``is_training`` as the forward call to replay
-        dropout.
+        dropout: with dropout, call ``inverse`` in a separate ``apply`` with
+        the same ``rng`` as the forward call's (inside the same ``apply`` the
+        rng sequence has advanced, so the masks differ).
 
         Args:
           y: Output of this encoder, ``[batch, time, model_size]``.

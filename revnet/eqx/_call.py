@@ -24,11 +24,15 @@ def holds_state(module: Any) -> bool:
     return any(_is_index(x) for x in jax.tree.leaves(module, is_leaf=_is_index))
 
 
-def missing_state(where: str, what: str) -> ValueError:
-    """The error for a module holding state that was called without it."""
+def missing_state(where: str, what: str, method: str = "__call__") -> ValueError:
+    """The error for a module holding state whose ``method`` was called
+    without it."""
+    called = "model" if method == "__call__" else f"model.{method}"
+    arg = "y" if method == "inverse" else "x"
     return ValueError(
-        f"{where}: {what} holds state (such as eqx.nn.BatchNorm); pass the state "
-        f"from eqx.nn.make_with_state: {where}(x, state, key=key)."
+        f"{where}: {what} holds state (such as eqx.nn.BatchNorm), but no state "
+        "was given; build the model with eqx.nn.make_with_state and pass its "
+        f"state: {called}({arg}, state, key=key)."
     )
 
 

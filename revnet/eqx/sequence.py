@@ -47,6 +47,15 @@ def _raised_by_revnet(e: BaseException) -> bool:
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root)
 
 
+def _runs(fn: Callable[[jax.Array], Any], x: jax.Array) -> bool:
+    """Whether ``fn`` traces at ``x`` without a shape or type error."""
+    try:
+        jax.eval_shape(fn, x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _check_takes_key(block: Any) -> None:
     """Checks that ``block(h, key=...)`` can be called: the sequence passes
     every block its key (dropout replays from it)."""
@@ -101,11 +110,21 @@ def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
             said = (
                 str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             )
+            failed = (
+                f"{_NAME}: the block failed on one example of x, of shape "
+                f"{h.shape[1:]} (the sequence vmaps it over x's leading axis, "
+                f"axis_name={axis_name!r})"
+            )
+            one = None if keys is None else keys[:1]
+            if _runs(lambda h: batched(h[None], state, one), h):
+                raise type(e)(
+                    f"{failed}, and runs on all of x as one example: build the "
+                    "sequence with axis_name=None and jax.vmap it over examples. "
+                    f"The block said: {said}"
+                ) from e
             raise type(e)(
-                f"{_NAME}: the block failed on one example of shape {h.shape[1:]}: "
-                f"the sequence vmaps it over the leading axis of x (axis_name="
-                f"{axis_name!r}); if x is ONE example, build the sequence with "
-                f"axis_name=None and jax.vmap it over examples. The block said: {said}"
+                f"{failed}: {said.rstrip('.')}; give x the per-example shape the "
+                "blocks were built for."
             ) from e
 
     return layer
@@ -269,7 +288,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
             shape = "[batch, ...] (for ONE example, axis_name=None and jax.vmap)"
         check_input(f"{_NAME}.{where}", x, min_rank=ndim, expected=shape)
         if state is None and holds_state(self.blocks):
-            raise missing_state(_NAME, "the block")
+            raise missing_state(_NAME, "the block", where)
         keys = None if key is None else jax.random.split(key, self.num_layers)
         blocks = (self.blocks,) if self.stacked else self.blocks
         layers, per_layer = [], []
@@ -299,10 +318,14 @@ class ReversibleSequence(OptionViews, eqx.Module):
         )
         if state is None:
             return y
+        return y, self._updated(state, new_substates)
+
+    def _updated(self, state: eqx.nn.State, new_substates: Any) -> eqx.nn.State:
+        """``state`` with the blocks' new substates (from the stack)."""
         for sub in (new_substates,) if self.stacked else new_substates:
             if sub is not None:
                 state = state.update(sub)
-        return y, state
+        return state
 
     def forward_and_log_det(
         self,
@@ -310,27 +333,33 @@ class ReversibleSequence(OptionViews, eqx.Module):
         state: eqx.nn.State | None = None,
         *,
         key: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, eqx.nn.State]:
         """Applies the blocks to the batch ``x``; returns ``(y, log_det)``,
-        ``log_det`` of shape ``[batch]`` derived from the blocks' program.
+        ``log_det`` of shape ``[batch]`` derived from the blocks' program, or
+        ``(y, log_det, state)`` when given ``state``, as a call returns it.
 
         The log-determinant is one more output of the reversible stack, so
         training a flow on ``log_prob(y) + log_det`` keeps activation memory
         flat in depth (with ``reversible=False``: ordinary autodiff).
 
+        The blocks' new state must not be computed from ``x``: state passed
+        through (``eqx.nn.BatchNorm`` under ``eqx.nn.inference_mode``) or
+        advanced on its own is fine, and ``log_det`` is that of the map with
+        the given state and ``key`` (dropout masks included).
+
         Args:
           x: The batch, ``[batch, ...]``; ONE example when the sequence was
             built with ``axis_name=None`` (``log_det`` is then a scalar).
-          state: The model's state, if its blocks hold any (read only: a
-            flow's blocks may not update it).
+          state: The model's state, if its blocks hold any.
           key: RNG key for the blocks.
 
         Returns:
-          ``(y, log_det)``.
+          ``(y, log_det)``, or ``(y, log_det, state)`` when given ``state``.
 
         Raises:
           ValueError: If the sequence has anchors or a drift monitor, or a
-            block updates state.
+            block's new state is computed from ``x`` (BatchNorm's batch
+            statistics in training mode).
           revnet.NotInvertibleError: If a block cannot be inverted or its
             log-determinant cannot be derived (the message names the step).
         """
@@ -338,7 +367,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
         if self.axis_name is None:
             check_input(f"{_NAME}.{where}", x, min_rank=1, expected="[...]")
             layer, per_layer = self._per_layer(x, state, key, where)
-            return run_stack_with_log_det(
+            y, log_det, new = run_stack_with_log_det(
                 layer,
                 per_layer,
                 x,
@@ -347,6 +376,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
                 length=self.num_layers,
                 batch_ndim=0,
             )
+            return self._with_state(y, log_det, state, new)
         # Each example's stack is its own reversible call, vmapped under the
         # batch axis: its log-determinant is that example's (a batched
         # program's own per-example proof would have to follow the batch axis
@@ -378,7 +408,26 @@ class ReversibleSequence(OptionViews, eqx.Module):
             )
 
         x = constrain(x, self.activation_sharding)
-        return jax.vmap(example, axis_name=self.axis_name)(x, keys)
+        # The new state, read from no example, is one for the batch (as a
+        # call's, whose blocks are vmapped with out_axes None for it).
+        try:
+            y, log_det, new = jax.vmap(
+                example, axis_name=self.axis_name, out_axes=(0, 0, None)
+            )(x, keys)
+        except (TypeError, ValueError) as e:
+            if _raised_by_revnet(e):
+                raise
+            # The call runs the same blocks on x, vmapped, and names what
+            # failed (on a copy of the state, which a call's update retires).
+            jax.eval_shape(lambda x, st: self(x, st, key=key), x, state)
+            raise
+        return self._with_state(y, log_det, state, new)
+
+    def _with_state(self, y, log_det, state, new_substates):
+        """``(y, log_det)``, with the updated state when given ``state``."""
+        if state is None:
+            return y, log_det
+        return y, log_det, self._updated(state, new_substates)
 
     def initialize(
         self,

@@ -221,12 +221,16 @@ class ReversibleSequence(OptionViews, nnx.Module):
         y, new_state = run_stack(
             layer, per_layer, x, self.options, name=_NAME, length=self.num_layers
         )
+        self._update(new_state)
+        return y
+
+    def _update(self, new_state: Any) -> None:
+        """Writes the layers' new state (from the stack) into the blocks."""
         if self._stacked:
             nnx.update(self.layers, new_state)
         else:
             for module, state in zip(self.layers, new_state, strict=True):
                 nnx.update(module, state)
-        return y
 
     def forward_and_log_det(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Applies the blocks; returns ``(y, log_det)``, ``log_det`` of shape
@@ -236,6 +240,12 @@ class ReversibleSequence(OptionViews, nnx.Module):
         training a flow on ``log_prob(y) + log_det`` keeps activation memory
         flat in depth (with ``reversible=False``: ordinary autodiff).
 
+        The blocks' new state is written back as by a call: state the blocks
+        do not compute from ``x`` (BatchNorm's statistics in eval mode, the
+        counters of the streams dropout draws from) is fine, and ``log_det``
+        is that of the map with the blocks' state before the call (their
+        dropout masks included).
+
         Args:
           x: Input of shape ``[batch, ...]``.
 
@@ -244,16 +254,19 @@ class ReversibleSequence(OptionViews, nnx.Module):
 
         Raises:
           ValueError: If the sequence has anchors or a drift monitor, or a
-            block updates state.
+            block's new state is computed from ``x`` (BatchNorm's batch
+            statistics in training mode).
           revnet.NotInvertibleError: If a block cannot be inverted or its
             log-determinant cannot be derived (the message names the step).
         """
         check_input(_NAME, x, min_rank=1, expected="[batch, ...]")
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._per_layer()
-        return run_stack_with_log_det(
+        y, log_det, new_state = run_stack_with_log_det(
             layer, per_layer, x, self.options, name=_NAME, length=self.num_layers
         )
+        self._update(new_state)
+        return y, log_det
 
     def initialize(self, x: jax.Array) -> jax.Array:
         """Initialises the blocks' data-dependent layers (:class:`ActNorm`)

@@ -208,7 +208,7 @@ def test_a_block_with_batch_statistics_is_refused():
     def model(x):
         return blocks.ReversibleSequence(block, 2).forward_and_log_det(x)
 
-    with pytest.raises(ValueError, match="updates state"):
+    with pytest.raises(ValueError, match="new state is computed from the input"):
         hk.transform_with_state(model).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
 
 

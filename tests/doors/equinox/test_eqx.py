@@ -24,7 +24,12 @@ optax = pytest.importorskip("optax")
 import revnet  # noqa: E402
 import revnet.eqx  # noqa: E402
 from revnet.eqx import coupling, flow, sequence  # noqa: E402
-from tests.helpers import assert_trees_close, load_example, tolerance  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_trees_close,
+    batch_block_slogdet,
+    load_example,
+    tolerance,
+)
 
 F64 = pytest.param(jnp.float64, id="f64", marks=pytest.mark.slow)
 DTYPES = [pytest.param(jnp.float32, id="f32"), F64]
@@ -294,6 +299,20 @@ def _seq(**kwargs):
             "^ReversibleSequence: the block holds state .such as eqx.nn.BatchNorm",
         ),
         (
+            lambda: revnet.eqx.ReversibleSequence(
+                stateful_block, 2, key=jax.random.key(0)
+            )(jnp.ones([2, 8])),
+            ValueError,
+            r"no state was given; .*: model\(x, state, key=key\)\.$",
+        ),
+        (
+            lambda: revnet.eqx.ReversibleSequence(
+                stateful_block, 2, key=jax.random.key(0)
+            ).forward_and_log_det(jnp.ones([2, 8])),
+            ValueError,
+            r": model\.forward_and_log_det\(x, state, key=key\)\.$",
+        ),
+        (
             lambda: revnet.eqx.AffineCoupling(jnp.tanh, scale="cube"),
             ValueError,
             "scale must be one of",
@@ -316,6 +335,163 @@ def test_bad_input_is_named_in_one_line(build, error, match):
     # JAX may append its traceback note below an error raised while tracing.
     message = str(info.value).splitlines()[0]
     assert re.search(match, message), message
+
+
+@pytest.mark.parametrize("method", ["__call__", "forward_and_log_det", "inverse"])
+def test_a_width_mismatch_is_named_as_one(method):
+    """x's examples are not the width the blocks were built for: the message
+    says so, and does not suggest that x is one example."""
+    with pytest.raises(TypeError) as info:
+        getattr(_seq(), method)(jnp.ones([2, 6]))
+    message = str(info.value).splitlines()[0]
+    assert message.startswith("ReversibleSequence: the block failed on one "), message
+    assert "of shape (6,)" in message, message
+    assert "per-example shape the blocks were built for" in message, message
+    assert "axis_name=None" not in message, message
+
+
+def test_one_example_given_as_a_batch_is_named_as_one():
+    """Blocks built for ONE example of shape [3, 4] (a residual mixing its
+    rows), given that example: the sequence vmaps it over its rows, which
+    fails, while the whole of x runs as one example."""
+
+    def rows(h, key=None):
+        return jnp.tanh(jnp.full((3, 3), 0.1) @ h)
+
+    seq = revnet.eqx.ReversibleSequence(
+        lambda k: revnet.eqx.AdditiveCoupling(rows, rows), 2, key=jax.random.key(0)
+    )
+    x = jnp.ones([3, 4])
+    with pytest.raises((TypeError, ValueError)) as info:
+        seq(x)
+    message = str(info.value).splitlines()[0]
+    assert "runs on all of x as one example" in message, message
+    assert "axis_name=None and jax.vmap" in message, message
+    seq = revnet.eqx.ReversibleSequence(
+        lambda k: revnet.eqx.AdditiveCoupling(rows, rows),
+        2,
+        key=jax.random.key(0),
+        axis_name=None,
+    )
+    assert jax.vmap(seq)(x[None]).shape == (1, 3, 4)
+
+
+class DropNet(eqx.Module):
+    """An affine coupling's net with dropout (one example)."""
+
+    first: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    last: eqx.nn.Linear
+
+    def __init__(self, *, key, dtype):
+        k1, k2 = jax.random.split(key)
+        self.first = eqx.nn.Linear(4, 16, key=k1, dtype=dtype)
+        self.dropout = eqx.nn.Dropout(0.5)
+        self.last = eqx.nn.Linear(16, 8, key=k2, dtype=dtype)
+
+    def __call__(self, h, *, key=None):
+        return self.last(self.dropout(jnp.tanh(self.first(h)), key=key))
+
+
+class NormNet(DropNet):
+    """The same with BatchNorm over the batch axis before the dropout."""
+
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, *, key, dtype):
+        super().__init__(key=key, dtype=dtype)
+        self.norm = eqx.nn.BatchNorm(16, axis_name="batch", dtype=dtype)
+
+    def __call__(self, h, state, *, key=None):
+        u, state = self.norm(self.first(h), state)
+        return self.last(self.dropout(jnp.tanh(u), key=key)), state
+
+
+def state_flows(name, dtype, num_layers=2):
+    """The flow and its non-reversible twin, with the state (or None) and the
+    key they run with: BatchNorm in inference mode (its state passed
+    through), or dropout in training mode (its masks drawn from the key)."""
+    net = NormNet if name == "batchnorm-inference" else DropNet
+    models = []
+    for reversible in (True, False):
+        model, state = eqx.nn.make_with_state(revnet.eqx.ReversibleSequence)(
+            lambda k: revnet.eqx.AffineCoupling(net(key=k, dtype=dtype)),
+            num_layers,
+            key=jax.random.key(0),
+            reversible=reversible,
+        )
+        if name == "batchnorm-inference":
+            model = eqx.nn.inference_mode(model)
+        else:
+            state = None
+        models.append(model)
+    return models, state, jax.random.key(5)
+
+
+def _state_copy(state):
+    """A fresh ``eqx.nn.State`` with the same values (a call retires its
+    state)."""
+    return None if state is None else jax.tree.map(lambda a: a, state)
+
+
+STATE_FLOWS = ["batchnorm-inference", "dropout"]
+
+
+@pytest.mark.parametrize("name", STATE_FLOWS)
+def test_log_det_with_state_not_computed_from_the_input(name):
+    """BatchNorm in inference mode returns its state unchanged, dropout draws
+    from the key: the log-det is the map's, per example, with that state and
+    key (dropout masks included), checked against slogdet(jacfwd) of the
+    twin's map in float64; the state comes back as a call returns it."""
+    with jax.enable_x64(True):
+        (rev, std), state, key = state_flows(name, jnp.float64)
+        x = jax.random.normal(jax.random.key(1), (6, 8), jnp.float64)
+
+        def twin(v):
+            out = std(v, _state_copy(state), key=key)
+            return out if state is None else out[0]
+
+        out = rev.forward_and_log_det(x, _state_copy(state), key=key)
+        called = rev(x, _state_copy(state), key=key)
+        y, log_det = out[:2]
+        assert len(out) == (2 if state is None else 3)
+        np.testing.assert_allclose(y, called if state is None else called[0])
+        ref = batch_block_slogdet(twin, x)
+        assert log_det.shape == (6,)
+        np.testing.assert_allclose(log_det, ref, rtol=1e-10, atol=1e-12)
+        if state is not None:
+            for a, e in zip(jax.tree.leaves(out[2]), jax.tree.leaves(called[1])):
+                np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("name", STATE_FLOWS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_log_det_gradients_with_state_equal_the_twin(name, dtype):
+    with x64(dtype):
+        models, state, key = state_flows(name, dtype)
+        x = jax.random.normal(jax.random.key(1), (6, 8), dtype)
+        cot = jax.random.normal(jax.random.key(2), (6, 8), dtype)
+        c = jax.random.normal(jax.random.key(3), (6,), dtype)
+
+        @eqx.filter_jit
+        def grads(model, x, state):
+            def loss(model, x):
+                fresh = _state_copy(state)
+                y, log_det = model.forward_and_log_det(x, fresh, key=key)[:2]
+                return jnp.sum(y * cot) + jnp.sum(log_det * c)
+
+            return eqx.filter_grad(loss)(model, x).blocks, jax.grad(loss, 1)(model, x)
+
+        rev, std = (grads(m, x, _state_copy(state)) for m in models)
+        assert_trees_close(rev, std, tolerance(dtype), "gradients")
+        assert len(jax.tree.leaves(rev[0])) >= 4, "no parameter gradients"
+
+
+def test_log_det_with_batch_statistics_in_training_mode_is_refused():
+    (rev, _), state, key = state_flows("batchnorm-inference", jnp.float32)
+    rev = eqx.nn.inference_mode(rev, False)
+    with pytest.raises(ValueError, match="new state is computed from the input"):
+        rev.forward_and_log_det(jnp.ones([4, 8]), state, key=key)
 
 
 @pytest.mark.slow

@@ -15,7 +15,12 @@ import revnet
 from revnet import blocks
 from revnet._layers import options as stack_options
 from tests.doors.haiku.descriptors import additive, affine, conv_unit
-from tests.helpers import assert_trees_close, calls_of
+from tests.helpers import (
+    assert_trees_close,
+    batch_block_slogdet,
+    calls_of,
+    tolerance,
+)
 
 
 def dropout_mlp(h: jax.Array) -> jax.Array:
@@ -126,6 +131,87 @@ def test_batchnorm_eval_mode_uses_running_statistics():
         return jax.jit(jax.grad(loss))(params)
 
     assert_trees_close(grads(rev), grads(twin), 1e-5)
+
+
+def norm_drop_net(u: jax.Array, is_training: bool) -> jax.Array:
+    """An affine coupling's net: BatchNorm (running statistics unless
+    training) and dropout, whose keys come from ``apply``'s rng."""
+    u = hk.BatchNorm(True, True, 0.9)(hk.Linear(16)(u), is_training)
+    return hk.Linear(8)(hk.dropout(hk.next_rng_key(), 0.5, jnp.tanh(u)))
+
+
+def norm_drop_block(h: jax.Array, is_training: bool) -> jax.Array:
+    return blocks.AffineCoupling(lambda u: norm_drop_net(u, is_training))(h)
+
+
+@functools.cache
+def state_flow(reversible):
+    """``apply(params, state, rng, x, log_det)`` of a flow whose blocks hold
+    BatchNorm state and dropout, in eval mode: the call, or
+    ``forward_and_log_det``."""
+
+    def run(x, log_det, is_training=False):
+        seq = blocks.ReversibleSequence(norm_drop_block, 2, reversible=reversible)
+        if log_det:
+            return seq.forward_and_log_det(x, is_training)
+        return seq(x, is_training)
+
+    return hk.transform_with_state(run)
+
+
+def state_flow_init(dtype):
+    """Parameters and state (one training call: statistics that are not the
+    initial ones), and an input."""
+    x = jax.random.normal(jax.random.key(1), (6, 8), dtype)
+    params, state = state_flow(True).init(jax.random.key(0), x, False, True)
+    _, state = state_flow(True).apply(params, state, jax.random.key(2), x, False, True)
+    return params, state, x
+
+
+def test_log_det_with_state_not_computed_from_the_input():
+    """BatchNorm with is_training=False passes its statistics through and
+    dropout draws from the rng: the log-det is the map's, per example (masks
+    included), against slogdet(jacfwd) of the twin's call in float64, and the
+    state comes back as the call's."""
+    with jax.enable_x64(True):
+        params, state, x = state_flow_init(jnp.float64)
+        rng = jax.random.key(3)
+        (y, log_det), new = state_flow(True).apply(params, state, rng, x, True)
+        called, called_state = state_flow(True).apply(params, state, rng, x, False)
+        np.testing.assert_allclose(y, called, rtol=1e-12, atol=1e-12)
+        jax.tree.map(np.testing.assert_array_equal, new, called_state)
+
+        def twin(v):
+            return state_flow(False).apply(params, state, rng, v, False)[0]
+
+        ref = batch_block_slogdet(twin, x)
+        assert log_det.shape == (6,)
+        np.testing.assert_allclose(log_det, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
+def test_log_det_gradients_with_state_equal_the_twin(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        params, state, x = state_flow_init(dtype)
+        cot = jax.random.normal(jax.random.key(4), x.shape, dtype)
+        c = jax.random.normal(jax.random.key(5), (x.shape[0],), dtype)
+
+        def grads(reversible):
+            def loss(p, x):
+                out = state_flow(reversible).apply(p, state, jax.random.key(3), x, True)
+                y, log_det = out[0]
+                return jnp.sum(y * cot) + jnp.sum(log_det * c)
+
+            return jax.jit(jax.grad(loss, (0, 1)))(params, x)
+
+        rev, std = grads(True), grads(False)
+        assert_trees_close(rev, std, tolerance(jnp.dtype(dtype).name), "gradients")
+
+
+def test_log_det_with_batch_statistics_in_training_mode_is_refused():
+    params, state, x = state_flow_init(jnp.float32)
+    with pytest.raises(ValueError, match="new state is computed from the input"):
+        state_flow(True).apply(params, state, jax.random.key(3), x, True, True)
 
 
 def test_blocks_that_lose_information_are_refused():

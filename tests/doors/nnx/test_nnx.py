@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, assert_trees_close, cast_floats, load_example, tolerance
+from tests.helpers import (
+    ROOT,
+    assert_trees_close,
+    batch_block_slogdet,
+    cast_floats,
+    load_example,
+    tolerance,
+)
 
 pytest.importorskip("flax", reason="revnet.nnx needs flax: pip install '.[nnx]'")
 optax = pytest.importorskip("optax")
@@ -273,6 +280,91 @@ def test_affine_log_det_is_the_derived_one_in_float64(scale):
         np.testing.assert_allclose(log_det, derived, rtol=1e-10, atol=1e-12)
         expected = jnp.linalg.slogdet(jac)[1]
         np.testing.assert_allclose(log_det, expected, rtol=1e-10, atol=1e-12)
+
+
+def dropout_affine_block(*, rngs):
+    """An affine coupling whose net drops units: RNG streams, no BatchNorm."""
+    net = nnx.Sequential(
+        nnx.Linear(WIDTH // 2, 16, rngs=rngs),
+        jnp.tanh,
+        nnx.Dropout(0.5, rngs=rngs),
+        nnx.Linear(16, WIDTH, rngs=rngs),
+    )
+    return rnnx.AffineCoupling(net)
+
+
+# Flows whose blocks hold state that the map does not compute from the input:
+# BatchNorm's running statistics in eval mode (passed through), and dropout's
+# RNG counters in train mode (advanced on their own).
+STATE_FLOWS = {
+    "batchnorm-eval": (affine_block, "eval"),
+    "dropout": (dropout_affine_block, "train"),
+}
+
+
+def state_flow(name, dtype):
+    block, mode = STATE_FLOWS[name]
+    rev, std = twins(block, num_layers=2, dtype=dtype)
+    for model in (rev, std):
+        getattr(model, mode)()
+    return rev, std
+
+
+@nnx.jit
+def _flow_grads(model, x, cot, c):
+    """Gradients of ``sum(y * cot) + sum(log_det * c)`` for every parameter
+    leaf and the input, with ``(y, log_det)``."""
+
+    def loss(m, x):
+        y, log_det = m.forward_and_log_det(x)
+        return jnp.sum(y * cot) + jnp.sum(log_det * c), (y, log_det)
+
+    return nnx.grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+
+
+@pytest.mark.parametrize("name", STATE_FLOWS)
+def test_log_det_with_state_not_computed_from_the_input(name):
+    """The log-det of a flow holding state the map does not compute from x is
+    that of the map with the state before the call, per example (its dropout
+    masks included), and the state is written back as by a call."""
+    with jax.enable_x64(True):
+        rev, std = state_flow(name, "float64")
+        x, _ = inputs(shape=(6, WIDTH), dtype=jnp.float64)
+        graphdef, state = nnx.split(nnx.clone(std))
+        called = nnx.clone(rev)
+        y, log_det = rev.forward_and_log_det(x)
+        ref = batch_block_slogdet(lambda v: nnx.merge(graphdef, state, copy=True)(v), x)
+        assert log_det.shape == (6,)
+        np.testing.assert_allclose(log_det, ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(y, called(x), rtol=1e-12, atol=1e-12)
+        for kind in (nnx.BatchStat, nnx.RngCount):
+            after, expected = (nnx.state(m, kind) for m in (rev, called))
+            for a, e in zip(jax.tree.leaves(after), jax.tree.leaves(expected)):
+                np.testing.assert_array_equal(a, e)
+        if name == "dropout":  # the counters advanced: the next call draws anew
+            assert not np.allclose(rev.forward_and_log_det(x)[0], y)
+
+
+@pytest.mark.parametrize("name", STATE_FLOWS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_log_det_gradients_with_state_equal_the_twin(name, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        rev, std = state_flow(name, dtype)
+        x, cot = inputs(dtype=dtype)
+        c = jax.random.normal(jax.random.key(7), (x.shape[0],), dtype)
+        (g_rev, out_rev), (g_std, out_std) = (
+            _flow_grads(m, x, cot, c) for m in (rev, std)
+        )
+        rtol = tolerance(dtype)
+        assert_trees_close(out_rev, out_std, rtol, "outputs")
+        assert_trees_close(g_rev, g_std, rtol, "gradients")
+        assert len(jax.tree.leaves(g_rev[0])) >= 4, "no parameter gradients"
+
+
+def test_log_det_with_batch_statistics_in_training_mode_is_refused():
+    rev, _ = twins(affine_block, num_layers=2)
+    with pytest.raises(ValueError, match="new state is computed from the input"):
+        rev.forward_and_log_det(inputs()[0])
 
 
 def test_transformer_block_equals_the_twin_and_inverts():
