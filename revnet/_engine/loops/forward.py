@@ -148,11 +148,9 @@ def _while_forward(
             return n + 1, eval_body(body, *bk, *c), bufs, marks
 
         # At least one row: a loop bounded by 0 steps writes none, but its
-        # (never run) step must still trace.
-        bufs = [
-            jnp.zeros((max(bound, 1), *jnp.shape(x)), x.dtype)
-            for x in stored_leaves(carry, stored)
-        ]
+        # (never run) step must still trace. Each row has its leaf's type.
+        # Without a bound nothing is stored.
+        bufs = anc.empty(stored_leaves(carry, stored), max(bound or 0, 1))
         marks = []
         if every is not None:
             marks = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
