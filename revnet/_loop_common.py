@@ -41,6 +41,8 @@ from revnet._engine import (
     leaf_paths,
     not_invertible,
     revolve,
+    row,
+    struct,
     trace,
     trace_program,
 )
@@ -281,7 +283,9 @@ def traced_body(
     name = _name(fun, arg)
     leaves, tree = jax.tree_util.tree_flatten(init)
     nc, pair = len(leaves), options.loop == SCAN
-    x_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in options.xs]
+    # Each x as the body sees it, with its sharding (an Explicit one is part of
+    # its type), so that the body is traced at the types it runs at.
+    x_slices = [struct(row(jax.typeof(x))) for x in options.xs]
     trees: list = []
 
     def flat(*args):

@@ -54,7 +54,7 @@ from revnet._engine.errors import (
     show,
 )
 from revnet._engine.interpreter import Interpreter
-from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, struct, tag
+from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, row, struct, tag
 from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
 from revnet._engine.loops.revolve import INT32_MAX
@@ -114,6 +114,7 @@ __all__ = [
     "registry",
     "reversible_call",
     "revolve",
+    "row",
     "scan_call",
     "scan_function",
     "stats",

@@ -108,13 +108,22 @@ def _invariant(x: Any, axes: tuple) -> Any:
 
 
 def type_key(a: Any) -> tuple:
-    """The parts of type ``a`` that sharding adds: Explicit spec, varying axes."""
-    return explicit_spec(a, len(a.shape)), varying(a)
+    """The parts of type ``a`` that sharding adds: Explicit spec, varying axes.
+
+    Types whose values sit alike on every device have equal keys: a replicated
+    spec (``P()``, ``P(None, None)``, any spec of a scalar) is keyed as no
+    Explicit sharding, since a value with no mesh is replicated too, and JAX
+    mixes the two. Only a dimension split over mesh axes makes a difference.
+    """
+    spec = explicit_spec(a, len(a.shape))
+    if spec is not None and not any(spec):
+        spec = None
+    return spec, varying(a)
 
 
 def describe(a: Any) -> str:
     """The sharding part of type ``a``, in words."""
-    spec, vary = type_key(a)
+    spec, vary = explicit_spec(a, len(a.shape)), varying(a)
     text = f"P{spec}" if spec is not None else "no explicit sharding"
     return text + (f", varying along {sorted(vary)}" if vary else "")
 

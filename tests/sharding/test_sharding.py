@@ -53,6 +53,19 @@ _PRELUDE = textwrap.dedent(
         ]
 
 
+    def assert_same(name, got, want, dtype):
+        '''Gradients equal elementwise (relative to each leaf's largest entry)
+        and of the same types and placements.'''
+        tol = tolerance(dtype, "sharded")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            scale = max(1.0, float(jnp.max(jnp.abs(b))))
+            err = float(jnp.max(jnp.abs(a - b)))
+            assert err <= tol * scale, (name, "gradient", err)
+        assert leaves_type(got) == leaves_type(want), (
+            name, leaves_type(got), leaves_type(want)
+        )
+
+
     def check(name, make_f, x, w, dtype="float32", jit=False, jit_reference=False):
         '''make_f(w) -> f(x); compares revnet with jax.grad in values and types
         (jit_reference: plain JAX's side alone under jit).'''
@@ -68,14 +81,8 @@ _PRELUDE = textwrap.dedent(
         want_grad = jax.jit(grad, static_argnums=2) if jit_reference else grad
         want, y = want_grad(x, w, False)
         got, y_rev = grad(x, w, True)
+        assert_same(name, got, want, dtype)
         tol = tolerance(dtype, "sharded")
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            scale = max(1.0, float(jnp.max(jnp.abs(b))))
-            err = float(jnp.max(jnp.abs(a - b)))
-            assert err <= tol * scale, (name, "gradient", err)
-        assert leaves_type(got) == leaves_type(want), (
-            name, leaves_type(got), leaves_type(want)
-        )
         for a, b in zip(jax.tree.leaves(y_rev), jax.tree.leaves(y)):
             assert float(jnp.max(jnp.abs(a - b))) <= tol, (name, "output")
         (back,) = revnet.inverse(make_f(w), x)(y)
@@ -317,5 +324,162 @@ def test_partial_ppermute_is_refused_naming_sharding():
                 assert "sharding axis" in str(e) and "ppermute" in str(e), str(e)
             else:
                 raise AssertionError("not refused")
+        """
+    )
+
+
+def test_a_step_counter_in_the_carry_inverts_under_jit_on_an_explicit_mesh():
+    """A counter or clock in the carry is a replicated scalar: the inverse of its
+    ``+ 1`` gives it ``P()`` on the mesh, where the program had no mesh at all.
+    Both are the same placement, so the loop inverts (nothing stored) under
+    ``jit`` as it does eagerly. A rule giving a sharding that truly differs is
+    still refused, naming both."""
+    _run(
+        """
+        def coupled(inc):
+            def step(c, _):
+                a, b, t = c
+                a = a + jnp.tanh(b) * (1 + 0.1 * t)
+                b = b + jnp.sin(a)
+                return (a, b, t + inc), None
+            return step
+
+        for dtype in ("float32", "float64"):
+            with jax.enable_x64(dtype == "float64"), jax.set_mesh(EXPLICIT):
+                x, _ = data(EXPLICIT, dtype)
+                for start, inc in ((0, 1), (jnp.int32(0), 1), (0.0, 0.1)):
+                    step = coupled(inc)
+
+                    def loss(x, scan, **kw):
+                        (a, b, _), _ = scan(step, (x, x, start), None, length=5, **kw)
+                        return jnp.sum(jnp.sin(a)) + jnp.sum(b**2)
+
+                    def while_loss(x):
+                        c = revnet.while_loop(
+                            lambda c: c[2] < 4.5 * inc,
+                            lambda c: step(c, None)[0],
+                            (x, x, start),
+                            mode="invert",
+                        )
+                        return jnp.sum(jnp.sin(c[0])) + jnp.sum(c[1] ** 2)
+
+                    name = f"counter {start!r} + {inc}"
+                    kept = revnet.stored(functools.partial(loss, scan=revnet.scan), x)
+                    per_step = [(e.kind, e.shape) for e in kept.entries if e.steps]
+                    assert per_step == [], (name, per_step)
+                    want = jax.jit(jax.grad(loss), static_argnums=1)(x, lax.scan)
+                    for mode in ("invert", "auto"):
+                        got = jax.jit(jax.grad(functools.partial(loss, mode=mode)),
+                                      static_argnums=1)(x, revnet.scan)
+                        assert_same(f"{name}, scan {mode}", got, want, dtype)
+                    got = jax.jit(jax.grad(while_loss))(x)
+                    assert_same(f"{name}, while_loop", got, want, dtype)
+                    print("checked", name, dtype)
+
+        # The engine casts what a rule returns to the input's type, except to
+        # "no explicit sharding" (a value made off the mesh, here under jit):
+        # a replicated result is that placement, one split over data is not.
+        def sinh_to(spec):
+            def rule(outs, ins, **params):
+                return [jax.sharding.reshard(jnp.arcsinh(outs[0]), spec)]
+            return rule
+
+        def step(c, _):
+            a, b = c
+            return (jnp.sinh(a) + b, b), None
+
+        def loss(x, scan, **kw):
+            return jnp.sum(scan(step, (x, x), None, length=2, **kw)[0][0])
+
+        def grad(x, scan):  # traced anew at each call: the rule is read again
+            return jax.jit(jax.grad(loss), static_argnums=1)(x, scan)
+
+        x = 0.1 * jnp.ones((16, 8))
+        invert = functools.partial(revnet.scan, mode="invert")
+        with jax.set_mesh(EXPLICIT):
+            assert "@" not in str(jax.typeof(x))
+            want = grad(x, lax.scan)
+            revnet.register_inverse("sinh", sinh_to(P()))
+            assert_same("replicated rule", grad(x, invert), want, "float32")
+            revnet.register_inverse("sinh", sinh_to(P("data")))
+            try:
+                grad(x, invert)
+            except revnet.NotInvertibleError as e:
+                words = "P('data', None) for an input of sharding no explicit"
+                assert words in str(e) and "`sinh`" in str(e), str(e)
+            else:
+                raise AssertionError("a rule's P('data') was not refused")
+        """
+    )
+
+
+def test_loop_buffers_of_sharded_steps_in_every_mode():
+    """Buffers a loop fills one step at a time (the ``xs`` cotangent under
+    ``mode="checkpoint"``, a while loop's stored leaves) have the sharding of
+    the rows written into them, and the ``xs`` cotangent plain JAX's."""
+    _run(
+        """
+        def coupled(c, x):
+            a, b = c
+            a = a + jnp.tanh(b + x)
+            b = b + 0.5 * jnp.sin(a)
+            return (a, b), jnp.sin(b) * x
+
+        def with_max(c):  # m, a running maximum, is stored at every step
+            a, b, m, i = c
+            (a, b), _ = coupled((a, b), 0.1)
+            return a, b, jnp.maximum(m, a), i + 1
+
+        scans = (
+            dict(mode="checkpoint"),
+            dict(mode="checkpoint", checkpoints=2),
+            dict(mode="checkpoint", reverse=True),
+            dict(mode="store"),
+            dict(mode="invert"),
+            dict(mode="invert", reverse=True),
+            dict(mode="auto"),
+            dict(mode="invert", anchor_every=2),
+        )
+        whiles = (
+            dict(mode="checkpoint"),
+            dict(mode="store", max_steps=7),
+            dict(mode="auto", max_steps=7),
+            dict(mode="checkpoint", max_steps=7, checkpoints=2),
+        )
+
+        def loss(x, xs, scan, **kw):
+            (a, b), ys = scan(coupled, (x, x), xs, **kw)
+            return jnp.sum(jnp.sin(a)) + jnp.sum(b**2) + jnp.sum(ys**2)
+
+        def while_loss(x, loop):
+            a, b, m, _ = loop((x, x, x, 0))
+            return jnp.sum(jnp.sin(a)) + jnp.sum(b**2) + jnp.sum(m)
+
+        def five_steps(c):
+            return lax.scan(lambda c, _: (with_max(c), None), c, None, length=5)[0]
+
+        for dtype in ("float32", "float64"):
+            # Eagerly in float32, under jit in float64.
+            jit = jax.jit if dtype == "float64" else lambda f, **kw: f
+            with jax.enable_x64(dtype == "float64"), jax.set_mesh(EXPLICIT):
+                x, _ = data(EXPLICIT, dtype)
+                xs = jax.random.normal(jax.random.key(2), (5, 16, 8), dtype)
+                xs = jax.device_put(xs, NamedSharding(EXPLICIT, P(None, "data")))
+                assert str(jax.typeof(xs)).endswith("[5,16@data,8]")
+                for kw in scans:
+                    reverse = kw.get("reverse", False)
+                    plain = functools.partial(lax.scan, reverse=reverse)
+                    grad = jit(jax.grad(loss, (0, 1)), static_argnums=2)
+                    want = grad(x, xs, plain)
+                    got = grad(x, xs, functools.partial(revnet.scan, **kw))
+                    assert_same(f"scan {kw}", got, want, dtype)
+                grad = jit(jax.grad(while_loss), static_argnums=1)
+                want = grad(x, five_steps)
+                for kw in whiles:
+                    cond = lambda c: c[3] < 5
+                    ours = functools.partial(revnet.while_loop, cond, with_max, **kw)
+                    got = grad(x, ours)
+                    assert_same(f"while_loop {kw}", got, want, dtype)
+                print("checked", dtype)
         """
     )

@@ -131,3 +131,15 @@ def stacked(a: Any, length: int) -> Any:
         return a.update(shape=(length, *a.shape))
     spec = spec.update(partitions=(None, *spec))
     return a.update(shape=(length, *a.shape), sharding=sharding.update(spec=spec))
+
+
+def row(a: Any) -> Any:
+    """The abstract value of one row of ``a`` (its leading axis taken away), as
+    ``lax.scan`` gives each ``x`` to its body: a sharded value keeps the
+    sharding of its other axes (``f32[5,16@data]`` gives ``f32[16@data]``)."""
+    sharding = getattr(a, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return a.update(shape=tuple(a.shape[1:]))
+    spec = spec.update(partitions=tuple(spec)[1:])
+    return a.update(shape=tuple(a.shape[1:]), sharding=sharding.update(spec=spec))

@@ -58,7 +58,8 @@ def slots(anchors: Anchors) -> int:
 
 
 def empty(carry: Sequence[Any], slots: int) -> list:
-    """Zero buffers for ``slots`` anchors of ``carry``.
+    """Zero buffers for ``slots`` anchors of ``carry`` (or any ``slots`` rows of
+    these values: a while loop's stored leaves).
 
     Built from ``zeros_like`` so that each slot has its carry's type (its
     sharding under Explicit mesh axes, its varying axes inside ``shard_map``);

@@ -64,7 +64,7 @@ def backward(
     k_avals = [jx.aval(v) for v in body.invars[:nk]]
     c_avals = [jx.aval(v) for v in body.invars[nk : nk + nc]]
     x_avals_t = [jx.aval(v) for v in body.invars[nk + nc :]]
-    x_avals = [a.update(shape=(sp.length, *a.shape)) for a in x_avals_t]
+    x_avals = [jx.stacked(a, sp.length) for a in x_avals_t]
     out_avals = [jx.aval(v) for v in body.outvars]
 
     def at(t):

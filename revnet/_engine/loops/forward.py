@@ -160,10 +160,8 @@ def _while_forward(
             out = eval_body(body, *bk, *c)
             return n + 1, out[:nc], bufs, write(ds, out[nc:], n), marks
 
-        bufs = [
-            jnp.zeros((rows, *jnp.shape(x)), x.dtype)
-            for x in stored_leaves(carry, stored)
-        ]
+        # Each row has its leaf's type (its sharding under Explicit axes).
+        bufs = anc.empty(stored_leaves(carry, stored), rows)
         ds = [jnp.zeros((rows, *a.shape), a.dtype) for a in decided]
         marks = []
         if every is not None:

@@ -94,7 +94,7 @@ class Loop:
         ct_c = cotangents.fill(ct_c, avals[nk : nk + nc])
         if self.kind == WHILE:
             return ct_k, [cotangents.zeros(a) for a in self.cond_avals], ct_c
-        x_avals = [a.update(shape=(sp.length, *a.shape)) for a in avals[nk + nc :]]
+        x_avals = [jx.stacked(a, sp.length) for a in avals[nk + nc :]]
         return ct_k, ct_c, cotangents.fill(ct_x, x_avals)
 
 
