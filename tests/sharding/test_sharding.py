@@ -415,8 +415,9 @@ def test_a_step_counter_in_the_carry_inverts_under_jit_on_an_explicit_mesh():
 
 def test_loop_buffers_of_sharded_steps_in_every_mode():
     """Buffers a loop fills one step at a time (the ``xs`` cotangent under
-    ``mode="checkpoint"``, a while loop's stored leaves) have the sharding of
-    the rows written into them, and the ``xs`` cotangent plain JAX's."""
+    ``mode="checkpoint"``, a while loop's stored leaves and stored decisions)
+    have the sharding of the rows written into them, and the ``xs`` cotangent
+    plain JAX's."""
     _run(
         """
         def coupled(c, x):
@@ -429,6 +430,11 @@ def test_loop_buffers_of_sharded_steps_in_every_mode():
             a, b, m, i = c
             (a, b), _ = coupled((a, b), 0.1)
             return a, b, jnp.maximum(m, a), i + 1
+
+        def with_round(c):  # a decision on the carry, stored at every step
+            a, b, m, i = c
+            a = a + jnp.round(4 * jnp.tanh(b)) / 4 + 0.1 * jnp.tanh(b)
+            return a, b + jnp.tanh(a), m, i + 1
 
         scans = (
             dict(mode="checkpoint"),
@@ -455,8 +461,8 @@ def test_loop_buffers_of_sharded_steps_in_every_mode():
             a, b, m, _ = loop((x, x, x, 0))
             return jnp.sum(jnp.sin(a)) + jnp.sum(b**2) + jnp.sum(m)
 
-        def five_steps(c):
-            return lax.scan(lambda c, _: (with_max(c), None), c, None, length=5)[0]
+        def five_steps(c, body=with_max):
+            return lax.scan(lambda c, _: (body(c), None), c, None, length=5)[0]
 
         for dtype in ("float32", "float64"):
             # Eagerly in float32, under jit in float64.
@@ -480,6 +486,12 @@ def test_loop_buffers_of_sharded_steps_in_every_mode():
                     ours = functools.partial(revnet.while_loop, cond, with_max, **kw)
                     got = grad(x, ours)
                     assert_same(f"while_loop {kw}", got, want, dtype)
+                want = grad(x, functools.partial(five_steps, body=with_round))
+                for mode in ("invert", "store", "auto"):
+                    ours = functools.partial(
+                        revnet.while_loop, cond, with_round, mode=mode, max_steps=7
+                    )
+                    assert_same(f"decisions, {mode}", grad(x, ours), want, dtype)
                 print("checked", dtype)
         """
     )

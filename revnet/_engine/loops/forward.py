@@ -31,6 +31,7 @@ from revnet._engine.jaxpr import Body, ScanParams, eval_body
 from revnet._engine.jaxpr import scan as plain_scan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.store import stored_leaves
+from revnet._engine.sharding import zeros
 
 _FORWARDS = LRU(64)
 
@@ -162,7 +163,7 @@ def _while_forward(
 
         # Each row has its leaf's type (its sharding under Explicit axes).
         bufs = anc.empty(stored_leaves(carry, stored), rows)
-        ds = [jnp.zeros((rows, *a.shape), a.dtype) for a in decided]
+        ds = [zeros(jx.stacked(a, rows)) for a in decided]
         marks = []
         if every is not None:
             marks = anc.empty(carry, 1 if bound is None else anc.count(bound, every))
