@@ -210,10 +210,12 @@ class _Signature:
     with this object: the engine reads the call's equation through it
     (``num_consts``, ``trees``: flat input shapes -> ``(in_tree, out_tree)``,
     ``invert(consts, outputs)``, ``ivjp(consts, outputs, cts)``,
-    ``log_det(args)``), and both the
+    ``log_det(args)``, ``user_vjp``, ``remade``), and both the
     engine and the backward pass get the call's arity from it, never from the
     function object, which other calls (other threads) share.
     """
+
+    remade = ()  # no input is made again by the function (ivjp_replay)
 
     def __init__(self, fn: custom_ivjp, n_args: int, key: tuple, in_tree: Any):
         self.fn = fn
@@ -224,6 +226,12 @@ class _Signature:
         self.in_tree = in_tree
         self.trees: dict = {}
         self.vjp_fun = self._make_vjp_fun()
+
+    @property
+    def user_vjp(self) -> bool:
+        """Whether the cotangents are the user's own (a fused ``defivjp``
+        rule), not ``jax.vjp`` of ``fun`` at the rebuilt inputs."""
+        return self.fn.ivjp_fn is not None
 
     def record(self, out_tree: Any) -> None:
         self.trees = {self.key: (self.in_tree, out_tree)}

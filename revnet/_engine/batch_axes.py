@@ -17,9 +17,10 @@ forward, marking each variable
 An equation keeps :data:`LEADING` when the axes its params name (``axes``,
 ``dimension``, ``permutation``, ``dimension_numbers``, ...) leave the leading
 ``k`` alone, or when it names no axes and maps each position of its batched
-inputs to the same position of its outputs (elementwise and ``select_n``).
-A param this pass does not know makes the result :data:`MIXED`: the pass can
-refuse a per-example log-determinant, never give a wrong one. Nested calls,
+inputs to the same position of its outputs (elementwise and ``select_n``);
+the rules by params are in :mod:`.batch_params`. A param this pass does not
+know makes the result :data:`MIXED`: the pass can refuse a per-example
+log-determinant, never give a wrong one. Nested calls,
 ``scan`` (the carry to a fixed point) and ``cond`` are read through their
 bodies. Only a ``scan`` moves the batch's axes from the front: it stacks its
 ``ys`` on one more leading axis and slices its ``xs`` off one, so a
@@ -36,32 +37,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from revnet._engine import jaxpr as jx
-
-UNBATCHED, LEADING, MIXED = 0, 1, -1
-
-# Params that say nothing about axes.
-_HARMLESS = frozenset(
-    {
-        "accuracy",
-        "new_dtype",
-        "weak_type",
-        "sharding",
-        "out_sharding",
-        "out_dtype",
-        "y",
-        "precision",
-        "preferred_element_type",
-        "exponent_bits",
-        "mantissa_bits",
-        "layout",
-        "context_mesh",
-        "unconstrained_dims",
-        "dst_sharding",
-        "axis_name",
-        "rounding_method",
-    }
+from revnet._engine.batch_params import (
+    HARMLESS,
+    LEADING,
+    MIXED,
+    UNBATCHED,
+    in_place,
+    keeps_leading,
 )
-
 
 # Collectives that map each position to the same position on other devices.
 _IN_PLACE = frozenset({"ppermute", "psum", "psum_invariant", "pmax", "pmin"})
@@ -112,102 +95,6 @@ def _join(flags: Sequence[int]) -> int:
 
 def _leading(shape: Sequence[int], batch: tuple) -> bool:
     return tuple(shape[: len(batch)]) == batch
-
-
-def _free(axes: Any, k: int) -> bool:
-    """Whether the axes ``axes`` (an int or ints) all lie past the batch's."""
-    if axes is None:
-        return True
-    if isinstance(axes, int):
-        axes = (axes,)
-    return all(int(a) >= k for a in axes)
-
-
-def _dot_general(eqn, flags, k) -> bool:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lead = tuple(range(k))
-    lf, rf = flags
-    if lf == LEADING and rf == LEADING:
-        return tuple(lb[:k]) == lead and tuple(rb[:k]) == lead
-    if lf == LEADING:
-        if tuple(lb[:k]) == lead:
-            return True
-        return not lb and _free(lc, k)
-    # The output leads with the batch dimensions, then the lhs's free ones.
-    return tuple(rb[:k]) == lead and len(lb) >= k
-
-
-def _conv(eqn, flags, k) -> bool:
-    dn = eqn.params["dimension_numbers"]
-    return (
-        k == 1
-        and flags[1] == UNBATCHED
-        and dn.lhs_spec[0] == 0
-        and dn.out_spec[0] == 0
-        and eqn.params.get("batch_group_count", 1) == 1
-    )
-
-
-def _by_params(eqn, flags, k) -> bool:
-    """Whether an equation with batched inputs keeps the leading axes."""
-    p, name = eqn.params, jx.primitive_name(eqn)
-    if name == "dot_general":
-        return _dot_general(eqn, flags, k)
-    if name == "conv_general_dilated":
-        return _conv(eqn, flags, k)
-    if name == "transpose":
-        return tuple(p["permutation"][:k]) == tuple(range(k))
-    if name == "broadcast_in_dim":
-        return tuple(p["broadcast_dimensions"][:k]) == tuple(range(k))
-    if name == "reshape":
-        return p.get("dimensions") is None
-    if name in ("gather", "scatter", "scatter-add"):
-        return _indexing(eqn, flags, k)
-    if name in ("slice", "pad", "dynamic_slice"):
-        return _untouched(eqn, k)
-    keys = set(p) - _HARMLESS
-    axis_keys = {"axes", "axis", "dimension", "dimensions"}
-    if keys <= axis_keys | {"reverse", "index_dtype", "is_stable", "num_keys", "sizes"}:
-        return all(_free(p[a], k) for a in keys & axis_keys)
-    return False
-
-
-def _indexing(eqn, flags, k) -> bool:
-    """A gather or scatter by indices that read no example (``x[..., perm]``,
-    ``z.at[..., perm].set(x)``) whose windows take whole batch axes and keep
-    them leading."""
-    if flags[1] != UNBATCHED:
-        return False
-    dn, shape = eqn.params["dimension_numbers"], jx.aval(eqn.invars[0]).shape
-    if jx.primitive_name(eqn) == "gather":
-        sizes, windows = eqn.params["slice_sizes"], dn.offset_dims
-        named = {*dn.start_index_map, *dn.collapsed_slice_dims}
-    else:
-        sizes, windows = jx.aval(eqn.invars[2]).shape, dn.update_window_dims
-        named = {*dn.scatter_dims_to_operand_dims, *dn.inserted_window_dims}
-    named |= {*dn.operand_batching_dims}
-    return all(b not in named and sizes[b] == shape[b] for b in range(k)) and tuple(
-        windows[:k]
-    ) == tuple(range(k))
-
-
-def _untouched(eqn, k) -> bool:
-    """A slice or pad that leaves the leading axes whole."""
-    name, p = jx.primitive_name(eqn), eqn.params
-    shape = jx.aval(eqn.invars[0]).shape
-    if name == "slice":
-        strides = p.get("strides") or (1,) * len(shape)
-        return all(
-            p["start_indices"][a] == 0
-            and p["limit_indices"][a] == shape[a]
-            and strides[a] == 1
-            for a in range(k)
-        )
-    if name == "pad":
-        return all(tuple(c) == (0, 0, 0) for c in p["padding_config"][:k])
-    if name == "dynamic_slice":
-        return tuple(p["slice_sizes"][:k]) == tuple(shape[:k])
-    return False
 
 
 def reads(jaxpr: Any, flagged: Sequence[bool]) -> list[bool]:
@@ -346,15 +233,16 @@ class Tracker:
             return [MIXED] * n_out
         if self.manual and _collective(eqn):
             return [LEADING if self._keeps(eqn) else MIXED] * n_out
-        keys = set(eqn.params) - _HARMLESS
+        keys = set(eqn.params) - HARMLESS
         if not keys:  # no axes named: position to position
+            out = tuple(jx.aval(eqn.outvars[0]).shape)
             same = all(
-                tuple(jx.aval(a).shape) == tuple(jx.aval(eqn.outvars[0]).shape)
+                in_place(tuple(jx.aval(a).shape), out)
                 for a, f in zip(eqn.invars, in_flags)
                 if f == LEADING
             )
             return [LEADING if same else MIXED] * n_out
-        return [LEADING if _by_params(eqn, in_flags, self.k) else MIXED] * n_out
+        return [LEADING if keeps_leading(eqn, in_flags, self.k) else MIXED] * n_out
 
     def _nested(self, eqn: Any, in_flags: list[int]) -> list[int] | None:
         sp = jx.scan_params(eqn)

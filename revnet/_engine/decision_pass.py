@@ -397,7 +397,11 @@ class Pass(NestedCalls):
     def _custom(self, e, tin):
         """A ``custom_jvp``/``custom_vjp`` function: its derivative is its own
         rule's, so a decision (or, with ``kinks="store"``, a kink) in its body
-        is replayed by evaluating the whole call at its stored inputs."""
+        is replayed by evaluating the whole call at its stored inputs. A
+        ``custom_ivjp`` function is inverted by the user's inverse instead
+        (:meth:`_custom_ivjp`)."""
+        if jx.tag_kind(e) == "custom_ivjp":
+            return self._custom_ivjp(e, tin)
         body = jx.call_body(e)
         keep = [e], [], [], list(e.outvars), [True] * len(e.outvars)
         if exact.is_exact(e):

@@ -60,8 +60,7 @@ def _tag_token(tag: Any, eqn: jx.JaxprEqn) -> Any:
     kind = jx.tag_kind(eqn)
     if kind != "custom_ivjp":
         return ("loop", kind)
-    trees = tag.trees.get(jx.custom_ivjp_key(eqn))
-    return ("custom_ivjp", tag.num_consts, trees)
+    return ("custom_ivjp", tag.num_consts, jx.custom_ivjp_match(eqn, tag.trees))
 
 
 def _key(jaxpr: jx.Jaxpr, consts_by_id: bool) -> Any:

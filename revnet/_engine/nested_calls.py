@@ -2,7 +2,9 @@
 ``cond`` whose body decides is split into a *deciding* call, which returns the
 decisions (stacked per step for a scan), and a *replaying* call, which takes
 them as inputs in place of the equations that made them; the forward pass
-runs one *fused* call returning both. A ``while`` loop or ``shard_map`` whose
+runs one *fused* call returning both. A ``custom_ivjp`` function is split so
+too, its replaying call still solved by the user's inverse
+(:mod:`revnet._engine.ivjp_replay`). A ``while`` loop or ``shard_map`` whose
 body decides on rebuilt values is refused in one line.
 
 :class:`NestedCalls` is mixed into the decision pass
@@ -15,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import cannot_store
+from revnet._engine.ivjp_replay import Replayed
 
 
 def _refuse(what: str, r: Any, outer: Any, fix: str) -> ValueError:
@@ -103,6 +107,49 @@ class NestedCalls:
         fused = jx.remat_with_body(e, deciding, [*e.outvars, *outs])
         why = [dataclasses.replace(k, within=("checkpoint", *k.within)) for k in r.kept]
         return self._pair(decide, replay, fused), outs, why, list(e.outvars), r.tout
+
+    def _custom_ivjp(self, e, tin):
+        """A ``custom_ivjp`` function: a unit whose inverse and log-determinant
+        are the user's, never evaluated at stored copies of its inputs (that
+        would store the stream and hide the inverse). With a fused
+        ``defivjp`` rule its cotangents are the user's too, and it is kept.
+        Otherwise its cotangents come from its body at the rebuilt inputs, so
+        a decision there is stored: the call is split into a deciding ``jit``
+        of its body and a replaying call, still solved by the user's inverse
+        (:class:`~revnet._engine.ivjp_replay.Replayed`)."""
+        n = len(e.outvars)
+        keep = [e], [], [], list(e.outvars), [True] * n
+        fn = jx.tag_of(e)
+        match = jx.custom_ivjp_match(e, fn.trees)
+        if fn.user_vjp or match is None:
+            return keep  # (without a match, the analysis refuses it)
+        body = jx.call_body(e)
+        r, deciding, replaying = self._nested(body.jaxpr, self._body_tin(e, tin))
+        if deciding is None:
+            return keep
+        nh, record = match
+        deciding = jx.Body(deciding, body.consts)
+        (decide,), outs = jx.splice(
+            jax.jit(lambda *a: jx.eval_body(deciding, *a)), e.invars, e.source_info
+        )
+        stored = list(outs[n:])
+        fused = decide.replace(outvars=[*e.outvars, *stored])
+        extras, own = [*e.invars[:nh], *stored], e.invars[nh:]
+        tag = Replayed(
+            fn,
+            deciding,
+            jx.Body(replaying, body.consts),
+            [jx.aval(a) for a in extras],
+            nh,
+            [jx.aval(a) for a in own],
+            record,
+        )
+        (replay,), _ = jx.splice(tag.call, [*extras, *own], e.source_info)
+        replay = replay.replace(outvars=list(e.outvars))
+        why = [
+            dataclasses.replace(k, within=("custom_ivjp", *k.within)) for k in r.kept
+        ]
+        return self._pair(decide, replay, fused), stored, why, list(e.outvars), keep[4]
 
     def _cond(self, e, tin):
         """A ``cond``: each branch stores its own decisions; the deciding call

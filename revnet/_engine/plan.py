@@ -105,7 +105,9 @@ class Custom:
 
     ``n_const_leaves`` leading inputs (after ``n_hoisted`` hoisted ones) are
     the function's known constants; ``unknown`` are the rest. ``in_tree`` and
-    ``out_tree`` are the pytrees the function was called with.
+    ``out_tree`` are the pytrees the function was called with. ``remade``
+    are constants that are not known, which the function makes again itself
+    (a replaying call's decisions, not stored: :mod:`revnet._engine.ivjp_replay`).
     """
 
     eqn: int
@@ -114,6 +116,7 @@ class Custom:
     n_const_leaves: int
     in_tree: Any
     out_tree: Any
+    remade: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)

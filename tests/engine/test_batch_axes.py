@@ -87,3 +87,23 @@ def test_the_first_equation_on_a_stacked_value_is_named_with_why():
     eqn, why = Tracker((3,)).first_mixing(jaxpr, [LEADING, UNBATCHED], [0])
     assert eqn.primitive.name == "mul", eqn
     assert "a scan's outputs stacked over its steps" in why, why
+
+
+def test_a_lookup_by_each_examples_indices_keeps_the_examples():
+    """A spline's bucket lookup: a table read at indices computed per example
+    (``knots[searchsorted(...)]``), or each example's own row read at its own
+    indices (``take_along_axis``), and a comparison that broadcasts an axis
+    of size 1 (``x[..., None] >= knots``)."""
+    knots = jnp.linspace(-1.0, 1.0, 5)
+    table = lambda x, k: k[jnp.searchsorted(k, x)]  # noqa: E731
+    assert out_flags(table, X, knots, flags=(LEADING, UNBATCHED)) == [LEADING]
+    count = lambda x, k: jnp.sum(x[..., None] >= k, -1)  # noqa: E731
+    assert out_flags(count, X, knots, flags=(LEADING, UNBATCHED)) == [LEADING]
+    rows = jnp.ones((3, 4, 5))
+    idx = jnp.zeros((3, 4, 1), jnp.int32)
+    own = lambda r, i: jnp.take_along_axis(r, i, axis=-1)  # noqa: E731
+    assert out_flags(own, rows, idx, flags=(LEADING, LEADING)) == [LEADING]
+
+    # But each example's indices reading another example's row mix them.
+    other = lambda r, i: jnp.take_along_axis(r, i, axis=0)  # noqa: E731
+    assert out_flags(other, rows, idx, flags=(LEADING, LEADING)) == [MIXED]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from revnet._engine.jaxpr.atoms import JaxprEqn
@@ -124,13 +124,34 @@ def custom_vjp_num_consts(eqn: JaxprEqn) -> int:
     return int(eqn.params.get("num_consts", 0))
 
 
-def custom_ivjp_key(eqn: JaxprEqn) -> tuple:
-    """The shapes and dtypes of a ``custom_vjp_call``'s own (not hoisted) inputs.
+def custom_ivjp_match(eqn: JaxprEqn, trees: dict) -> tuple[int, Any] | None:
+    """How a ``custom_ivjp`` function's call ``eqn`` splits, from its records.
 
-    ``custom_ivjp`` functions record their pytrees under this key when called.
+    ``trees`` maps the flat shapes and dtypes of the function's own inputs to
+    what it recorded when called with them. JAX hoists the values the function
+    closes over as leading inputs of its ``custom_vjp_call`` (``num_consts``);
+    once a jaxpr is traced again (under another transformation, or by revnet
+    itself) they are ordinary leading inputs and ``num_consts`` is 0. The
+    function's own inputs are always the last ones, so a record matches when
+    the shapes of that many trailing inputs equal its key.
+
+    Returns:
+      ``(n_hoisted, record)``: how many leading inputs are hoisted values, and
+      the matching record; or None when the function was not called with
+      these shapes.
     """
-    nh = custom_vjp_num_consts(eqn)
-    return tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars[nh:])
+    nc = custom_vjp_num_consts(eqn)
+    for key, record in trees.items():
+        nh = len(eqn.invars) - len(key)
+        if nh >= nc and shapes_key([v.aval for v in eqn.invars[nh:]]) == key:
+            return nh, record
+    return None
+
+
+def shapes_key(avals: Sequence[Any]) -> tuple:
+    """The shapes and dtypes of ``avals``, as ``custom_ivjp`` functions key
+    their records."""
+    return tuple((tuple(a.shape), str(a.dtype)) for a in avals)
 
 
 def call_primitive_names() -> tuple[str, ...]:

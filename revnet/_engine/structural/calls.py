@@ -10,7 +10,11 @@
   with the function; it is solved by the user's inverse. The engine sees it
   through this protocol only: ``num_consts``, ``trees`` (flat input shapes ->
   ``(in_tree, out_tree)``), ``invert(consts, outputs)``, ``ivjp(consts,
-  outputs, cts)`` and ``log_det(args)`` (the user's log-determinant, or None).
+  outputs, cts)``, ``log_det(args)`` (the user's log-determinant, or None),
+  ``user_vjp`` (a fused ``defivjp`` rule) and ``remade`` (constants it makes
+  again when they are unknown: :mod:`revnet._engine.ivjp_replay`). Its call
+  is matched to its record by its last inputs: JAX hoists what it closes over
+  as leading ones, which a traced-again jaxpr no longer marks.
 * revnet's ``while_loop`` is refused inside another function: its trip count
   is not one of its outputs. revnet's ``scan`` is solved through its body.
 * JAX's hijax calls (``call_hi_primitive``, under JAX_CUSTOM_VJP3 and
@@ -112,19 +116,18 @@ class CallRule(registry.StructuralRule):
 
     def _custom(self, an, i, eqn, fn, ins):
         name = fn.__name__
-        trees = fn.trees.get(jx.custom_ivjp_key(eqn))
-        if trees is None:
+        match = jx.custom_ivjp_match(eqn, fn.trees)
+        if match is None:
             an.fail(
                 i,
                 eqn,
                 f"custom_ivjp function {name!r} was not called with these shapes",
             )
             return None
-        in_tree, out_tree = trees
+        # JAX hoists the values the function closes over as the ``nh``
+        # leading inputs: known ones are constants of the inversion.
+        nh, (in_tree, out_tree) = match
         n_const = sum(c.num_leaves for c in in_tree.children()[: fn.num_consts])
-        # JAX hoists the values the function closes over as the leading
-        # ``num_consts`` inputs: known ones are constants of the inversion.
-        nh = jx.custom_vjp_num_consts(eqn)
         if not all(ins[:nh]):
             an.fail(
                 i,
@@ -133,13 +136,18 @@ class CallRule(registry.StructuralRule):
                 "the inputs being rebuilt; pass it as an argument instead",
             )
             return None
-        if not all(ins[nh : nh + n_const]):
+        # Values the function makes again itself when they are not known (a
+        # replaying call's decisions: revnet._engine.ivjp_replay).
+        remade = tuple(nh + n for n in fn.remade if not ins[nh + n])
+        if not all(
+            k or n in remade for n, k in enumerate(ins) if nh <= n < nh + n_const
+        ):
             an.fail(
                 i, eqn, f"the constants of custom_ivjp function {name!r} are unknown"
             )
             return None
         unknown = tuple(range(nh + n_const, len(ins)))
-        step = Custom(i, unknown, nh, n_const, in_tree, out_tree)
+        step = Custom(i, unknown, nh, n_const, in_tree, out_tree, remade)
         return step, [an.wiring.eqn_ins[i][n] for n in unknown], (i,)
 
 
@@ -174,11 +182,12 @@ def _known_body_inputs(body, eqn, unknown: int) -> tuple[bool, ...]:
     return (True,) * len(body.consts) + tuple(k != unknown for k in range(n))
 
 
-def _split(it, step):
-    """``(equation, known input values with None, known output values)``."""
+def _split(it, step, unread=()):
+    """``(equation, its input values with None for the unknown ones and for
+    those in ``unread``)``."""
     i = step.eqn
     eqn = it.jaxpr.eqns[i]
-    unknown = set(step.unknown)
+    unknown = {*step.unknown, *unread}
     known = [None if n in unknown else it.read_in(i, n) for n in range(len(eqn.invars))]
     return eqn, known
 
@@ -225,8 +234,12 @@ class _CallHandler(Handler):
 class _CustomHandler(Handler):
     fuses = True
 
+    def needs(self, it, step):
+        remade = {it.wiring.eqn_ins[step.eqn][n] for n in step.remade}
+        return [v for v in super().needs(it, step) if v is None or v not in remade]
+
     def run(self, it, step, out_cts):
-        eqn, known = _split(it, step)
+        eqn, known = _split(it, step, step.remade)
         fn = jx.tag_of(eqn)
         outs = [it.read(v) for v in it.wiring.eqn_outs[step.eqn] if v is not None]
         nk = step.n_hoisted + step.n_const_leaves
@@ -252,6 +265,8 @@ class _CustomHandler(Handler):
             flat = jax.tree_util.tree_leaves(in_cts, is_leaf=lambda x: x is None)
             ins = jax.tree_util.tree_leaves(inputs)
             cts = [None] * step.n_hoisted + flat
+            for n in step.remade:
+                cts[n] = None
         runtime_checks.record(
             ins, [*outs, *[k for k in known if k is not None]], degenerate(eqn)
         )
