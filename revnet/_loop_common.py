@@ -394,14 +394,10 @@ def _promoted_carry(fun: Callable[..., Any], leaves: list, extra: list) -> list:
 def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
     """``(jaxpr, mode, decided)``: the body the loop runs, its backward mode,
     and the records (:class:`revnet._engine.Kept`) of the decisions (and, with
-    ``kinks="store"``, kinks) it returns after its carry, stored at every step
-    when the loop is not checkpointed: among a scan's ``ys``, in room for
-    ``max_steps`` steps in a while loop.
-
-    A while loop without ``max_steps`` has no room to store them per step: a
-    body with decisions on the carry is checkpointed, and ``mode="invert"``
-    raises one ValueError naming the first of them.
-    """
+    ``kinks="store"``, kinks) it returns after its carry, stored per step unless
+    checkpointed: among a scan's ``ys``, or in ``max_steps`` rows of a while
+    loop's buffers. Without ``max_steps`` a while loop has no such room: its
+    body is checkpointed, and ``mode="invert"`` raises one ValueError."""
     o, carry, rebuilt = options, range(body.nk, body.nk + body.nc), [False] * body.nk
     rebuilt += [True] * body.nc + [False] * len(o.xs)
     kw = dict(decisions=o.decisions, kinks=o.kinks)

@@ -74,8 +74,7 @@ _NARROW_SEARCH = 10_000
 
 
 class Pass(NestedCalls):
-    """One rewrite: tracks which variables are rebuilt, collects decisions
-    (when ``decisions``) and kinks (when ``kinks``), each without the other."""
+    """One rewrite: tracks rebuilt variables, collects decisions and kinks."""
 
     def __init__(self, kinks: bool, soft: bool = True, decisions: bool = True):
         self.kinks, self.soft, self.decisions = kinks, soft, decisions

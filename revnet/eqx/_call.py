@@ -7,6 +7,10 @@ state)``; any other as ``module(x, key=key) -> y``.
 
 from __future__ import annotations
 
+import inspect
+import os
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -94,3 +98,36 @@ def call_in(
     if sub is not None:
         sub = cast_like(sub, held)
     return y.astype(h.dtype), sub
+
+
+def raised_by_revnet(e: BaseException) -> bool:
+    """Whether revnet raised ``e`` (its errors name the module already)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root)
+
+
+def traces(fn: Callable[[jax.Array], Any], x: jax.Array) -> bool:
+    """Whether ``fn`` traces at ``x`` without a shape or type error."""
+    try:
+        jax.eval_shape(fn, x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def check_takes_key(block: Any, name: str) -> None:
+    """Checks that ``block(h, key=...)`` can be called: the sequence passes
+    every block its key (dropout replays from it)."""
+    try:
+        params = inspect.signature(type(block).__call__).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: leave it to the call
+        return
+    kinds = {p.kind for p in params}
+    if "key" in {p.name for p in params} or inspect.Parameter.VAR_KEYWORD in kinds:
+        return
+    raise TypeError(
+        f"{name}: the block {type(block).__name__} must take a key= argument "
+        "(the sequence passes each block its PRNG key); add key=None to its "
+        "__call__."
+    )

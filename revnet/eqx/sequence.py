@@ -16,9 +16,6 @@ ordinary autodiff: the twin to compare with.
 
 from __future__ import annotations
 
-import inspect
-import os
-import traceback
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -33,44 +30,18 @@ from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.sharding import constrain
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
-from revnet.eqx._call import call, holds_state, missing_state
+from revnet.eqx._call import (
+    call,
+    check_takes_key,
+    holds_state,
+    missing_state,
+    raised_by_revnet,
+    traces,
+)
 from revnet.eqx._init import initialized
 from revnet.eqx.flow import actnorms
 
 _NAME = "ReversibleSequence"
-
-
-def _raised_by_revnet(e: BaseException) -> bool:
-    """Whether revnet raised ``e`` (its errors name the module already)."""
-    frames = traceback.extract_tb(e.__traceback__)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root)
-
-
-def _runs(fn: Callable[[jax.Array], Any], x: jax.Array) -> bool:
-    """Whether ``fn`` traces at ``x`` without a shape or type error."""
-    try:
-        jax.eval_shape(fn, x)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _check_takes_key(block: Any) -> None:
-    """Checks that ``block(h, key=...)`` can be called: the sequence passes
-    every block its key (dropout replays from it)."""
-    try:
-        params = inspect.signature(type(block).__call__).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: leave it to the call
-        return
-    kinds = {p.kind for p in params}
-    if "key" in {p.name for p in params} or inspect.Parameter.VAR_KEYWORD in kinds:
-        return
-    raise TypeError(
-        f"{_NAME}: the block {type(block).__name__} must take a key= argument "
-        "(the sequence passes each block its PRNG key); add key=None to its "
-        "__call__."
-    )
 
 
 def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
@@ -105,7 +76,7 @@ def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
         try:
             return batched(h, state, keys)
         except (TypeError, ValueError) as e:
-            if _raised_by_revnet(e):
+            if raised_by_revnet(e):
                 raise
             said = (
                 str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -116,7 +87,7 @@ def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
                 f"axis_name={axis_name!r})"
             )
             one = None if keys is None else keys[:1]
-            if _runs(lambda h: batched(h[None], state, one), h):
+            if traces(lambda h: batched(h[None], state, one), h):
                 raise type(e)(
                     f"{failed}, and runs on all of x as one example: build the "
                     "sequence with axis_name=None and jax.vmap it over examples. "
@@ -277,7 +248,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
             blocks = self.blocks
         compute.check_used(_NAME)
         for block in blocks:
-            _check_takes_key(block)
+            check_takes_key(block, _NAME)
 
     def _per_layer(self, x, state, key, where, *, per_example=False):
         """The layer function(s) and per-layer ``(params, state, keys)``;
@@ -376,7 +347,8 @@ class ReversibleSequence(OptionViews, eqx.Module):
                 length=self.num_layers,
                 batch_ndim=0,
             )
-            return self._with_state(y, log_det, state, new)
+            out = (y, log_det)
+            return out if state is None else (*out, self._updated(state, new))
         # Each example's stack is its own reversible call, vmapped under the
         # batch axis: its log-determinant is that example's (a batched
         # program's own per-example proof would have to follow the batch axis
@@ -415,19 +387,14 @@ class ReversibleSequence(OptionViews, eqx.Module):
                 example, axis_name=self.axis_name, out_axes=(0, 0, None)
             )(x, keys)
         except (TypeError, ValueError) as e:
-            if _raised_by_revnet(e):
+            if raised_by_revnet(e):
                 raise
             # The call runs the same blocks on x, vmapped, and names what
             # failed (on a copy of the state, which a call's update retires).
             jax.eval_shape(lambda x, st: self(x, st, key=key), x, state)
             raise
-        return self._with_state(y, log_det, state, new)
-
-    def _with_state(self, y, log_det, state, new_substates):
-        """``(y, log_det)``, with the updated state when given ``state``."""
-        if state is None:
-            return y, log_det
-        return y, log_det, self._updated(state, new_substates)
+        out = (y, log_det)
+        return out if state is None else (*out, self._updated(state, new))
 
     def initialize(
         self,
