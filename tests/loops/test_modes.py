@@ -714,7 +714,7 @@ def test_docstring_examples():
 # kinks= and decisions= in every mode, at an exact tie of a relu.
 
 _TIE_W = [[0.7, 0.2, -0.3], [0.1, 0.9, 0.4], [-0.2, 0.3, 0.8]]
-_TIE_STEPS = 30
+_TIE_STEPS = 12
 
 
 def _relu_step(w):
