@@ -282,11 +282,11 @@ def show(value: Any) -> str:
 # ``gather`` marks the elements its indices do not read exactly once.
 _DEGENERATE = {
     "dot_general": (
-        "its known matrix is singular (or nearly), so these values cannot be "
+        ": its known matrix is singular (or nearly), so these values cannot be "
         f"rebuilt\n{HINTS[SINGULAR]}"
     ),
     "gather": (
-        "its indices read some elements more than once and others never (not a "
+        ": its indices read some elements more than once and others never (not a "
         "permutation), so those values cannot be rebuilt; permute with indices "
         "that read each element once, or use ordinary backprop for this part"
     ),
@@ -306,11 +306,10 @@ def degenerate(eqn: Any) -> str:
     at = f" at {where}" if where else ""
     why = _DEGENERATE.get(
         name,
-        "(a zero factor, a singular matrix, a saturated tanh/logistic, a dropout "
+        " (a zero factor, a singular matrix, a saturated tanh/logistic, a dropout "
         "mask on the stream): these values cannot be rebuilt; use ordinary "
         "backprop for this part",
     )
-    sep = " " if why.startswith("(") else ": "
-    return f"the inverse of `{name}`{at} gave a non-finite value from finite values" + (
-        sep + why
+    return (
+        f"the inverse of `{name}`{at} gave a non-finite value from finite values{why}"
     )
