@@ -1,5 +1,21 @@
+# Two ends of the supported JAX range, each in its own venv:
+#   JAX=oldest (the default): jax 0.10.2 on $(PYTHON) (Python 3.11 or later), in .venv;
+#   JAX=latest: the newest JAX revnet supports (0.12.x), on a Python >= 3.12
+#     that .ci/python-latest finds (PATH, pyenv) or builds from Debian's
+#     sources, in .venv-latest. For example `make test JAX=latest`.
 PYTHON ?= python3
+JAX ?= oldest
+ifeq ($(JAX),latest)
+VENV := .venv-latest
+BASE_PYTHON = $(shell .ci/python-latest)
+JAX_REQ :=
+else ifeq ($(JAX),oldest)
 VENV := .venv
+BASE_PYTHON = $(PYTHON)
+JAX_REQ := 'jax==0.10.2' 'jaxlib==0.10.2'
+else
+$(error JAX=$(JAX): use JAX=oldest (jax 0.10.2) or JAX=latest (the newest supported))
+endif
 PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
@@ -7,20 +23,21 @@ STAMP_EXP := $(VENV)/.stamp-experiments
 .PHONY: test test-all test-next demo demo-full docs chromium fuzz lint clean
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	@base="$(BASE_PYTHON)"; test -n "$$base" || { echo "no Python for JAX=$(JAX)" >&2; exit 1; }; \
+	echo "making $(VENV) with $$base"; "$$base" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 # Haiku is an extra too (revnet.blocks); the test extra brings it, as the
 # tests import it throughout.
 $(STAMP_TEST): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,haiku]'
+	$(PY) -m pip install -q -e '.[test,haiku]' $(JAX_REQ)
 	touch $@
 
 # The front doors' frameworks come with the experiments extra, so that `make
 # test` and CI run their tests; without Flax or Equinox those tests skip,
 # naming the extra.
 $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,experiments,haiku,nnx,equinox,docs]'
+	$(PY) -m pip install -q -e '.[test,experiments,haiku,nnx,equinox,docs]' $(JAX_REQ)
 	touch $@
 
 # Headless Chromium (Debian's package) for the slow tier's test that opens the
@@ -119,4 +136,4 @@ lint: $(STAMP_TEST)
 	$(VENV)/bin/ruff format --check revnet benchmarks examples experiments tests docs/hooks
 
 clean:
-	rm -rf $(VENV) results site .pytest_cache build dist *.egg-info
+	rm -rf .venv .venv-latest results site .pytest_cache build dist *.egg-info

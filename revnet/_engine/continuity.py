@@ -31,7 +31,10 @@ quantisation, ``x.astype(bfloat16).astype(float32)``) it is a decision.
 
 The rule is "a decision unless proven otherwise": a primitive not listed as
 smooth, kink, guard or structural is a decision when it reads a rebuilt float,
-and so is any equation whose results are all integers or booleans. A
+unless JAX can transpose it (:func:`linear`: a linear map of its float
+inputs, such as ``stack`` or a layout primitive a later JAX adds, is
+smooth), and any equation whose results are all integers or booleans is a
+decision. A
 ``select_n`` whose predicate compares a rebuilt value with a constant is a
 kink when its cases agree at the switching point (``leaky_relu``, ``elu``,
 ``hard_tanh``): :func:`continuous_at_switch` decides that from the program by
@@ -63,7 +66,8 @@ SMOOTH, KINK, DECISION, GUARD, STRUCTURAL = (
 # everywhere (where the primitive is defined): elementwise maps, linear maps,
 # data movement, collectives and identities.
 _SMOOTH_NAMES = """
-abs_sq add add_any sub mul div neg exp exp2 expm1 log log1p logistic tanh sin
+abs_sq add add_any sub mul div neg exp exp2 expm1 log log1p log2 logistic tanh
+one_minus_square polynomial sin
 cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt pow
 integer_pow square erf erfc erf_inv lgamma digamma polygamma zeta igamma
 igammac igamma_grad_a random_gamma_grad regularized_incomplete_beta
@@ -103,7 +107,7 @@ threefry2x32 rng_bit_generator rng_uniform convert_element_type
 
 # Calls, loops and branches: their bodies are classified.
 _STRUCTURAL_NAMES = """
-jit pjit closed_call core_call call custom_jvp_call custom_vjp_call
+jit pjit closed_call core_call call eval_jaxpr custom_jvp_call custom_vjp_call
 custom_vjp_call_jaxpr remat remat2 checkpoint scan while cond shard_map
 custom_linear_solve call_hi_primitive get swap empty2 after_all create_token
 new_ref empty_ref free_ref freeze addupdate accum_grad_in_ref
@@ -126,8 +130,41 @@ def table() -> Mapping[str, str]:
 
 
 def primitive_class(name: str) -> str:
-    """The class of the primitive ``name`` on a rebuilt float input."""
+    """The class of the primitive ``name`` on a rebuilt float input, as the
+    table says (an unlisted primitive is a decision; :func:`classify` also
+    tries :func:`linear` on an unlisted equation)."""
     return _TABLE.get(name, DECISION)
+
+
+_LINEAR: dict = {}
+
+
+def linear(eqn: Any) -> bool:
+    """Whether ``eqn`` is a linear map of its inputs, all floats: JAX can
+    transpose it (``jax.linear_transpose``). A linear map is continuous, with
+    a constant derivative, so such an equation is smooth whatever its name.
+    """
+    avals = [jx.aval(v) for v in eqn.invars]
+    outs = [jx.aval(v) for v in eqn.outvars]
+    if not avals or not all(is_float_aval(a) for a in (*avals, *outs)):
+        return False
+    try:
+        key = (jx.primitive_name(eqn), tuple(map(jx.aval_key, avals)), repr(eqn.params))
+    except Exception:  # pragma: no cover - params that cannot be shown
+        return False
+    hit = _LINEAR.get(key)
+    if hit is None:
+        structs = [jx.struct(a) for a in avals]
+        try:
+            back = jax.linear_transpose(lambda *xs: jx.bind(eqn, *xs), *structs)
+            jax.eval_shape(back, [jx.struct(a) for a in outs])
+            hit = True
+        except Exception:  # no transpose rule, or not linear
+            hit = False
+        if len(_LINEAR) > 4096:
+            _LINEAR.clear()
+        _LINEAR[key] = hit
+    return hit
 
 
 def _mantissa_and_range(dtype) -> tuple[int, int, int]:
@@ -211,6 +248,8 @@ def classify(eqn: Any) -> str:
         return DECISION
     if not any(is_float_aval(jx.aval(v)) for v in eqn.outvars):
         return DECISION
+    if name not in _TABLE and linear(eqn):
+        return SMOOTH
     return cls
 
 
@@ -219,7 +258,8 @@ def classify(eqn: Any) -> str:
 # Equations through which a case is evaluated at the switching point: maps of
 # one scalar per element (and broadcasts of scalars into them).
 _POINTWISE = frozenset(
-    """add sub mul div neg exp exp2 expm1 log log1p logistic tanh sin cos tan
+    """add sub mul div neg exp exp2 expm1 log log1p log2 logistic tanh
+    one_minus_square polynomial sin cos tan
     asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt pow integer_pow
     square erf erfc max min abs clamp select_n eq ne lt le gt ge not and or
     convert_element_type sign floor ceil round""".split()

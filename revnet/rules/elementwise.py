@@ -44,6 +44,8 @@ UNARY = {
     "exp": (jnp.log, lambda x, y: x),
     "log": (jnp.exp, lambda x, y: -y),
     "exp2": (jnp.log2, lambda x, y: x * _LOG2 + np.log(_LOG2)),
+    # a primitive of its own from JAX 0.11 on (log, log, div before)
+    "log2": (jnp.exp2, lambda x, y: -jnp.log(x) - np.log(_LOG2)),
     "log1p": (jnp.expm1, lambda x, y: -y),
     "expm1": (jnp.log1p, lambda x, y: x),
     "tanh": (

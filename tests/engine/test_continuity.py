@@ -86,6 +86,26 @@ def test_primitives_found_only_in_traced_programs_have_their_class():
     assert {table[n] for n in ("new_ref", "freeze", "get", "swap")} == {cont.STRUCTURAL}
 
 
+def test_a_linear_primitive_the_table_does_not_name_is_smooth():
+    """``stack`` (``jnp.stack``) is in no list ``jax.extend`` gives: JAX can
+    transpose it, so it is smooth by rule; an unlisted primitive that is not
+    linear (a product of its two inputs) stays a decision."""
+
+    def stacked(a, b):
+        return jnp.stack([a, 2.0 * b], axis=1)
+
+    closed = jax.make_jaxpr(stacked)(jnp.ones(3), jnp.ones(3))
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "stack"]
+    assert "stack" not in cont.table()
+    assert cont.linear(eqn) and cont.classify(eqn) == cont.SMOOTH
+    mul = jex_core.Primitive("product_of_two_unlisted")
+    mul.def_impl(lambda a, b: a * b)
+    mul.def_abstract_eval(lambda a, b: a)
+    prog = jax.make_jaxpr(lambda a, b: mul.bind(a, b))(jnp.ones(3), jnp.ones(3))
+    (eqn,) = prog.jaxpr.eqns
+    assert not cont.linear(eqn) and cont.classify(eqn) == cont.DECISION
+
+
 def test_a_decision_on_a_value_written_to_a_reference_is_stored():
     def f(x):
         return jnp.floor(_references(x))
@@ -101,6 +121,7 @@ def test_an_unknown_primitive_is_a_decision():
 # Domains where each elementwise primitive is defined and finite.
 _DOMAIN = {
     "log": (0.1, 3.0),
+    "log2": (0.1, 3.0),
     "log1p": (-0.5, 3.0),
     "sqrt": (0.1, 3.0),
     "rsqrt": (0.1, 3.0),

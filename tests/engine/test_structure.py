@@ -191,20 +191,51 @@ def test_the_engine_does_not_import_the_front_door_layer():
         assert not layers, f"{name} imports {layers}"
 
 
+def _imported_modules(tree: ast.AST):
+    """``(node, module names)`` of every import statement in ``tree``; an
+    import of a name from a package (``from jax import _src``) counts as an
+    import of the module ``jax._src``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield node, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            yield node, [base, *(f"{base}.{a.name}" for a in node.names)]
+
+
 def test_only_the_jaxpr_package_imports_jax_extend():
     for name, path in MODULES.items():
         if name == JAXPR or name.startswith(JAXPR + "."):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                mods = [node.module or ""]
-            else:
-                continue
-            assert not any(m.startswith(("jax.extend", "jax._src")) for m in mods), (
+        for _, mods in _imported_modules(ast.parse(path.read_text(), str(path))):
+            assert not any(m.startswith("jax.extend") for m in mods), (
                 f"{name} imports {mods}"
             )
+
+
+# The one function that imports JAX's private modules: scans whose inputs
+# are described by flat trees have no public constructor.
+PRIVATE_JAX = ("revnet._engine.jaxpr.scans", "structure_params")
+
+
+def test_jax_src_is_imported_in_one_function_only():
+    """In the package, its tests, benchmarks, examples and experiments."""
+    found = []
+    roots = ("revnet", "tests", "benchmarks", "examples", "experiments")
+    repo = ROOT.parent
+    for path in sorted(p for r in roots for p in (repo / r).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+        for node, mods in _imported_modules(tree):
+            if not any(m == "jax._src" or m.startswith("jax._src.") for m in mods):
+                continue
+            scope = node
+            while scope in parents and not isinstance(scope, ast.FunctionDef):
+                scope = parents[scope]
+            fn = scope.name if isinstance(scope, ast.FunctionDef) else None
+            mod = ".".join(path.relative_to(repo).with_suffix("").parts)
+            found.append((mod, fn))
+    assert found == [PRIVATE_JAX], found
 
 
 def test_no_file_over_the_line_limit():

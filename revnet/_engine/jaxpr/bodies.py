@@ -25,20 +25,42 @@ class Body:
     consts: tuple[Any, ...]
 
 
+# JAX 0.10 wraps a jaxpr and its constants' values in a ClosedJaxpr; from JAX
+# 0.11 on, ClosedJaxpr is Jaxpr, which holds the values of its leading
+# constvars itself (and a constvar without a value is a plain input).
+_CLOSED_IS_JAXPR = jex_core.ClosedJaxpr is Jaxpr
+
+
+def split_closed(j: Any) -> tuple[Jaxpr, tuple]:
+    """``(jaxpr, consts)`` of a closed jaxpr (or ``(j, ())`` of an open one):
+    ``consts`` are the values of ``jaxpr.constvars``."""
+    if _CLOSED_IS_JAXPR:
+        return j, tuple(j.consts)
+    if isinstance(j, jex_core.ClosedJaxpr):
+        return j.jaxpr, tuple(j.consts)
+    return j, ()
+
+
+def closed(j: Jaxpr, n: int, consts: Any) -> Any:
+    """The closed jaxpr whose constvars are ``j``'s first ``n`` inputs, with
+    the values ``consts`` (``n`` of them)."""
+    open_ = j.replace(constvars=list(j.invars[:n]), invars=list(j.invars[n:]))
+    return jex_core.ClosedJaxpr(open_, list(consts))
+
+
 def nested_jaxpr(p: Any) -> tuple[Jaxpr, tuple] | None:
     """``(jaxpr, consts)`` when the param ``p`` is a (closed) jaxpr, else None."""
-    if isinstance(p, jex_core.ClosedJaxpr) and not isinstance(p, Jaxpr):
-        return p.jaxpr, tuple(p.consts)
-    if isinstance(p, Jaxpr):
-        return p, ()
+    if isinstance(p, (jex_core.ClosedJaxpr, Jaxpr)):
+        return split_closed(p)
     return None
 
 
 def closed_consts(j: Any) -> tuple:
     """The constants of the (closed) jaxpr ``j``: values, then constvars."""
-    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
-        return tuple(j.consts) + tuple(j.jaxpr.constvars)
-    return tuple(getattr(j, "constvars", ()))
+    if not isinstance(j, (jex_core.ClosedJaxpr, Jaxpr)):
+        return ()
+    jaxpr, consts = split_closed(j)
+    return consts + (() if consts else tuple(jaxpr.constvars))
 
 
 _BODIES: dict = {}
@@ -81,10 +103,7 @@ def make_body(j: Any) -> Body:
     """
     if not _PREPARE:
         raise RuntimeError("no jaxpr preparation pass set: import revnet._engine")
-    if isinstance(j, jex_core.ClosedJaxpr) and not isinstance(j, Jaxpr):
-        inner, consts = j.jaxpr, tuple(j.consts)
-    else:
-        inner, consts = j, ()
+    inner, consts = split_closed(j)
     if inner.constvars:
         if not consts:  # open jaxpr with constvars: not expected, refuse.
             raise NotImplementedError("open nested jaxpr with unbound constvars")
@@ -97,5 +116,5 @@ def make_body(j: Any) -> Body:
 def eval_body(body: Body, *args: Any) -> list[Any]:
     """Evaluates a nested body on its (non-const) inputs."""
     return list(
-        jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(body.jaxpr, ()))(*body.consts, *args)
+        jex_core.jaxpr_as_fun(closed(body.jaxpr, 0, ()))(*body.consts, *args)
     )

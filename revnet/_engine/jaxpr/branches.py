@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jax.extend import core as jex_core
-
 from revnet._engine.jaxpr.atoms import Jaxpr, JaxprEqn
-from revnet._engine.jaxpr.bodies import Body, as_body
+from revnet._engine.jaxpr.bodies import Body, as_body, closed
 
 
 def cond_branches(eqn: JaxprEqn) -> tuple[Body, ...] | None:
@@ -25,16 +23,12 @@ def cond_with_branches(
     Each branch is ``(jaxpr, n)``: its first ``n`` inputs are its constants,
     whose values are those of the same branch of ``eqn``.
     """
-    closed = []
-    for (body, n), old in zip(branches, eqn.params["branches"]):
-        closed.append(
-            jex_core.ClosedJaxpr(
-                body.replace(constvars=list(body.invars[:n]), invars=body.invars[n:]),
-                list(as_body(old).consts),
-            )
-        )
+    new = tuple(
+        closed(body, n, as_body(old).consts)
+        for (body, n), old in zip(branches, eqn.params["branches"])
+    )
     return eqn.replace(
-        params={**eqn.params, "branches": tuple(closed)},
+        params={**eqn.params, "branches": new},
         invars=list(invars),
         outvars=list(outvars),
     )

@@ -28,7 +28,8 @@ from revnet._engine.jaxpr.atoms import (
     is_dropvar,
     is_literal,
 )
-from revnet._engine.jaxpr.bodies import Body, make_body
+from revnet._engine.jaxpr.bodies import Body, closed, make_body
+from revnet._engine.jaxpr.scans import structure_params
 
 HI_CALL = "call_hi_primitive"
 _SCAN3 = "Scan3"
@@ -69,10 +70,10 @@ def hi_body(prim: Any) -> Body | None:
         return prim.out_tree.flatten_up_to(prim.expand(*args))
 
     try:
-        closed = jax.make_jaxpr(expanded)(*avals)
+        traced = jax.make_jaxpr(expanded)(*avals)
     except Exception:  # pragma: no cover - an expansion JAX cannot trace
         return None
-    body = make_body(closed)
+    body = make_body(traced)
     _HI_BODIES[id(prim)] = (prim, body)
     return body
 
@@ -193,8 +194,7 @@ def _scan3_as_scan(e: JaxprEqn, ins: list, cur: dict) -> list[JaxprEqn] | None:
     prim = e.params["_prim"]
     if getattr(prim, "reverse", False):
         return None  # jax 0.10.2 ignores it: not lax.scan's values
-    closed = prim.jaxpr
-    body = closed.jaxpr
+    body = prim.jaxpr.jaxpr
     if body.constvars or len(body.invars) != len(ins):
         return None
     ext = list(prim.extensives)
@@ -231,10 +231,9 @@ def _scan3_as_scan(e: JaxprEqn, ins: list, cur: dict) -> list[JaxprEqn] | None:
     params = dict(
         reverse=False,
         length=int(prim.length),
-        jaxpr=jex_core.ClosedJaxpr(new_body, ()),
-        num_consts=len(consts),
-        num_carry=len(refs),
+        jaxpr=closed(new_body, 0, ()),
         unroll=prim.unroll,
+        **structure_params(len(consts), len(refs), len(xs), len(ys)),
     )
     scan = e.replace(
         primitive=_primitives.scan_p,

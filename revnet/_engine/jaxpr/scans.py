@@ -1,4 +1,12 @@
-"""``scan`` equations: described, rebuilt with a new body, and bound."""
+"""``scan`` equations: described, rebuilt with a new body, and bound.
+
+How a ``scan`` equation says which of its inputs are constants, carries and
+scanned inputs differs between JAX releases: counts ``num_consts`` and
+``num_carry`` (JAX 0.10), or flat-tree descriptors ``ft_in`` and ``ft_out``
+(JAX 0.11 on). :func:`scan_params` reads either; :func:`structure_params`
+writes them, and is the one place in revnet that imports a private JAX
+module (the flat trees have no public constructor).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +16,44 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 from jax.extend.core import primitives as _primitives
 
 from revnet._engine.jaxpr.atoms import Jaxpr, JaxprEqn
-from revnet._engine.jaxpr.bodies import Body, as_body
+from revnet._engine.jaxpr.bodies import Body, as_body, closed
+
+# Whether scan equations describe their inputs by flat trees (JAX >= 0.11).
+FLAT_TREES = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def structure_params(n_consts: int, n_carry: int, n_xs: int, n_ys: int) -> dict:
+    """The params of a ``scan`` equation that say how its inputs and outputs
+    split: ``n_consts`` constants, ``n_carry`` carries and ``n_xs`` scanned
+    inputs in; the carries and ``n_ys`` stacked outputs out.
+
+    Raises:
+      ImportError: naming the JAX version, if JAX moved its flat trees.
+    """
+    if not FLAT_TREES:
+        return dict(num_consts=n_consts, num_carry=n_carry)
+    try:
+        from jax._src import flattree as ft  # the one private JAX import
+
+        ft_in = ft.pack((ft.nones(n_consts), ft.nones(n_carry), ft.nones(n_xs)))
+        ft_out = ft.pack((ft.nones(n_carry), ft.nones(n_ys)))
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"revnet cannot build a scan under jax {jax.__version__}: "
+            f"jax._src.flattree.pack/nones moved ({err})"
+        ) from err
+    return dict(ft_in=ft_in, ft_out=ft_out)
+
+
+def _counts(params: dict) -> tuple[int, int]:
+    """``(number of constants, number of carries)`` of a scan's params."""
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return int(params["num_consts"]), int(params["num_carry"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +71,11 @@ def scan_params(eqn: JaxprEqn) -> ScanParams | None:
     if eqn.primitive.name != "scan":
         return None
     p = eqn.params
+    num_consts, num_carry = _counts(p)
     return ScanParams(
         body=as_body(p["jaxpr"]),
-        num_consts=int(p["num_consts"]),
-        num_carry=int(p["num_carry"]),
+        num_consts=num_consts,
+        num_carry=num_carry,
         length=int(p["length"]),
         reverse=bool(p["reverse"]),
         unroll=p.get("unroll", 1),
@@ -50,13 +92,11 @@ def scan_with_body(
     ``more_xs`` are further scanned inputs, read by ``body``'s last inputs.
     """
     consts = as_body(eqn.params["jaxpr"]).consts
-    closed = jex_core.ClosedJaxpr(
-        body.replace(
-            constvars=list(body.invars[:n_consts]), invars=list(body.invars[n_consts:])
-        ),
-        list(consts),
-    )
-    params = {**eqn.params, "jaxpr": closed}
+    params = {**eqn.params, "jaxpr": closed(body, n_consts, consts)}
+    if FLAT_TREES:
+        nk, nc = _counts(eqn.params)
+        n_xs = len(eqn.invars) - nk - nc + len(more_xs)
+        params.update(structure_params(nk, nc, n_xs, len(outvars) - nc))
     if more_xs and "linear" in params:
         params["linear"] = (*params["linear"], *[False] * len(more_xs))
     return eqn.replace(
@@ -112,9 +152,9 @@ def scan(
         y_tree[:] = [tree]
         return [*new_flat, *y_flat]
 
-    closed = jax.make_jaxpr(flat_body)(*carry_avals, *x_avals)
-    inner = closed.jaxpr
-    consts = list(closed.consts)
+    traced = jax.make_jaxpr(flat_body)(*carry_avals, *x_avals)
+    inner = traced.jaxpr
+    consts = list(traced.consts)
     if inner.constvars:
         inner = inner.replace(constvars=[], invars=[*inner.constvars, *inner.invars])
     if isinstance(unroll, bool):
@@ -125,10 +165,9 @@ def scan(
         *xs_flat,
         reverse=bool(reverse),
         length=int(length),
-        jaxpr=jex_core.ClosedJaxpr(inner, ()),
-        num_consts=len(consts),
-        num_carry=nc,
+        jaxpr=closed(inner, 0, ()),
         unroll=int(unroll),
+        **structure_params(len(consts), nc, len(xs_flat), len(inner.outvars) - nc),
     )
     carry = jax.tree_util.tree_unflatten(init_tree, outs[:nc])
     return carry, jax.tree_util.tree_unflatten(y_tree[0], outs[nc:])

@@ -1,11 +1,11 @@
 """The JAX releases this package is written for, checked once at import.
 
-JAX changes the internals read here between minor releases. JAX 0.11 gave
-``scan`` new parameters (``ft_in``/``ft_out`` for ``num_consts`` and
-``num_carry``) and replaced the hijax API (no ``VJPHiPrimitive``), so under it
-revnet would fail deep inside a trace. Importing this module (the first
-thing the package does) under a JAX outside :data:`SUPPORTED` instead raises
-one error that names the versions.
+JAX changes the internals read here between minor releases (JAX 0.11 gave
+``scan`` new parameters and merged ``ClosedJaxpr`` into ``Jaxpr``), so under
+a release it was not written for, revnet would fail deep inside a trace.
+Importing this module (the first thing the package does) under a JAX outside
+:data:`SUPPORTED` instead raises one error that names the supported range
+and the pip line that installs it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 
 # [lowest, first unsupported): JAX's (major, minor). setup.cfg pins the same.
-SUPPORTED = ((0, 10), (0, 11))
+SUPPORTED = ((0, 10), (0, 13))
 
 
 def unsupported(version: str) -> str | None:
@@ -39,8 +39,8 @@ def unsupported(version: str) -> str | None:
     want = f"jax>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
     return (
         f"revnet supports {want}, found jax {version}: revnet reads JAX's "
-        f"program internals, which change between minor releases. Install "
-        f"'{want}' (and the matching jaxlib)."
+        f"program internals, which change between minor releases. Try: "
+        f"pip install '{want}' 'jaxlib{want[3:]}'"
     )
 
 

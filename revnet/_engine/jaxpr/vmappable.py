@@ -8,7 +8,7 @@ The batched call, by contrast, sums the weights' cotangents over the batch
 inside each step.
 
 :func:`call` binds ``run(*args)`` as ONE equation of JAX's hijax primitive
-(``jax.experimental.hijax.VJPHiPrimitive``). Its value and both derivatives
+(``jax.experimental.hijax.HiPrim``, ``VJPHiPrimitive`` in JAX 0.10). Its value and both derivatives
 are ``run``'s own (``run`` is revnet's ``custom_vjp`` function, whose
 backward pass runs under ``jax.vjp``); only batching is its own:
 ``rebatch(axis, args, dims)`` builds the call again on the batched program,
@@ -25,7 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.hijax import VJPHiPrimitive, Zero
+from jax.experimental import hijax
+
+# JAX 0.10 names the base class of a user-defined hijax primitive
+# VJPHiPrimitive; JAX 0.11 renamed it HiPrim, with the same interface.
+_HiPrim = getattr(hijax, "HiPrim", None) or hijax.VJPHiPrimitive
+Zero = hijax.Zero
 
 
 @jax.tree_util.register_static
@@ -46,7 +51,7 @@ def _instantiate(t: Any) -> Any:
     return t.instantiate()  # of the aval's type: its sharding, varying axes
 
 
-class RevnetCall(VJPHiPrimitive):
+class RevnetCall(_HiPrim):
     """``run(*args)``: its value and derivatives, batched by ``rebatch``."""
 
     def __init__(self, run, rebatch, in_avals, out_avals):
