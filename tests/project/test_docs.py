@@ -480,7 +480,8 @@ def test_make_docs_builds_strict_and_not_quiet():
     ]
     assert builds, "make docs runs no mkdocs build"
     ci = (pathlib.Path(ROOT) / ".ci" / "run").read_text()
-    assert re.search(r"^make docs$", ci, re.M), "CI does not run make docs"
+    runs_docs = re.search(r"^(step )?make docs( JAX=\w+)?$", ci, re.M)
+    assert runs_docs, "CI does not run make docs"
     builds += [shlex.split(line) for line in ci.splitlines() if "mkdocs" in line]
     for argv in builds:
         assert "--strict" in argv, argv
@@ -542,26 +543,3 @@ def test_docstring_example_runs(name, restore_runtime_checks):
     result = runner.summarize(verbose=False)
     assert result.attempted >= 5, "the docstring has an example"
     assert result.failed == 0
-
-
-# --------------------------------------------------------------------------- #
-# The counts CONTRIBUTING.md states.
-
-
-@pytest.mark.slow
-def test_contributing_states_pytest_s_counts_of_the_tiers():
-    text = TEXTS[PAGES[1]]
-    fast = re.search(
-        r"`make test` runs every test not marked `slow`\s+\(([\d,]+)", text
-    )
-    every = re.search(r"`make test-all` runs everything\s+\(([\d,]+)", text)
-    assert fast and every, "CONTRIBUTING.md states no counts"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
-         "no:cacheprovider", "-m", "not slow", "tests"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )  # fmt: skip
-    counts = re.search(r"(\d+)/(\d+) tests collected", proc.stdout)
-    assert counts, proc.stdout[-2000:] + proc.stderr[-2000:]
-    stated = [int(m.group(1).replace(",", "")) for m in (fast, every)]
-    assert stated == [int(counts.group(1)), int(counts.group(2))], counts.group(0)

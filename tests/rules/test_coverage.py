@@ -458,9 +458,14 @@ _sinh_half_grad.defvjp(
 )
 
 
+# jax.extend's call of a closed jaxpr: the primitive ``closed_call`` in jax
+# 0.10, ``eval_jaxpr`` from jax 0.11 on (``closed_call_p`` names it there).
+_CLOSED_CALL = primitives.closed_call_p.name
+
+
 def _closed_call(x, w):
-    """``closed_call`` bound through ``jax.extend``, the public way to make one:
-    no ``jax`` API stages it from user code in this version."""
+    """``closed_call_p`` bound through ``jax.extend``, the public way to make
+    one: no ``jax`` API stages it from user code."""
     body = jax.make_jaxpr(lambda x, w: x * _s(w) + w)(x, w)
     params = primitives.closed_call_p.get_bind_params({"call_jaxpr": body})
     return primitives.closed_call_p.bind(x, w, **params)[0]
@@ -491,7 +496,7 @@ _STRUCTURAL: dict[str, tuple[Callable, tuple[str, ...]]] = {
         ("split", "concatenate"),
     ),
     "jit": (jax.jit(lambda x, w: x * _s(w) + w), ("jit",)),
-    "closed_call": (_closed_call, ("closed_call",)),
+    "closed_call": (_closed_call, (_CLOSED_CALL,)),
     "checkpoint": (
         jax.checkpoint(lambda x, w: jnp.exp(x * _s(w)) - 1.0),
         ("remat2",),

@@ -115,6 +115,4 @@ def make_body(j: Any) -> Body:
 
 def eval_body(body: Body, *args: Any) -> list[Any]:
     """Evaluates a nested body on its (non-const) inputs."""
-    return list(
-        jex_core.jaxpr_as_fun(closed(body.jaxpr, 0, ()))(*body.consts, *args)
-    )
+    return list(jex_core.jaxpr_as_fun(closed(body.jaxpr, 0, ()))(*body.consts, *args))

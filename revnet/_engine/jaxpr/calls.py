@@ -83,8 +83,25 @@ def tag(bwd: Callable[..., Any], obj: Any) -> None:
 
 
 def tag_of(eqn: JaxprEqn) -> Any:
-    """The object tagged on a ``custom_vjp_call`` equation's backward, or None."""
-    return getattr(custom_vjp_bwd(eqn), _TAG, None)
+    """The object tagged on a ``custom_vjp_call`` equation's backward, or None.
+
+    Under JAX_CUSTOM_VJP3, JAX 0.11 and later hold the user's backward inside
+    a closure of their own (``rule``), so its closure's functions are looked
+    at too.
+    """
+    bwd = custom_vjp_bwd(eqn)
+    found = getattr(bwd, _TAG, None)
+    if found is not None or eqn.primitive.name != HI_CALL:
+        return found
+    for cell in getattr(bwd, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        found = getattr(getattr(inner, "f", inner), _TAG, None)
+        if found is not None:
+            return found
+    return None
 
 
 class LoopTag:

@@ -8,9 +8,10 @@ The batched call, by contrast, sums the weights' cotangents over the batch
 inside each step.
 
 :func:`call` binds ``run(*args)`` as ONE equation of JAX's hijax primitive
-(``jax.experimental.hijax.HiPrim``, ``VJPHiPrimitive`` in JAX 0.10). Its value and both derivatives
-are ``run``'s own (``run`` is revnet's ``custom_vjp`` function, whose
-backward pass runs under ``jax.vjp``); only batching is its own:
+(``jax.experimental.hijax.HiPrim``, ``VJPHiPrimitive`` in JAX 0.10). Its
+value and both derivatives are ``run``'s own (``run`` is revnet's
+``custom_vjp`` function, whose backward pass runs under ``jax.vjp``); only
+batching is its own:
 ``rebatch(axis, args, dims)`` builds the call again on the batched program,
 so that a ``jax.vmap`` over examples runs one reversible call on the batch,
 as the batched call would. Nested ``vmap``s batch level by level.
