@@ -188,7 +188,7 @@ class Pass(NestedCalls):
         body = jx.call_body(e)
         if body is None:
             return False
-        if name in jx.JIT_NAMES:
+        if jx.plain_call_jaxpr(e) is not None:
             return True
         ours = jx.tag_kind(e) == "scan"
         if not ours and not (name in _REMAT and body.consts):

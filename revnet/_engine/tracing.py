@@ -64,7 +64,8 @@ def prepare(jaxpr: Any) -> Any:
 
 
 def inline_jits(jaxpr: Any) -> Any:
-    """Replaces nested ``jit`` equations (without constants) by their bodies,
+    """Replaces nested ``jit`` (and ``eval_jaxpr``) equations without constants
+    by their bodies,
     and revnet's own calls (:mod:`.jaxpr.vmappable`) by their custom VJPs.
 
     ``jnp`` functions are jits (``jnp.where`` is a jit around ``select_n``), and
@@ -75,9 +76,8 @@ def inline_jits(jaxpr: Any) -> Any:
     def inlinable(e):
         if jx.hi_kind(e) == jx.REVNET_CALL:  # revnet's own call: its custom VJP
             return not jx.call_body(e).consts
-        return e.primitive.name in jx.JIT_NAMES and not jx.closed_consts(
-            e.params["jaxpr"]
-        )
+        body = jx.plain_call_jaxpr(e)
+        return body is not None and not jx.closed_consts(body)
 
     if not any(inlinable(e) for e in jaxpr.eqns):
         return jaxpr
