@@ -77,7 +77,13 @@ True
 from revnet import exact, rules  # noqa: F401  (rules: the built-in inverse rules)
 from revnet._engine import NotInvertibleError, register_inverse
 from revnet._engine.runtime_checks import set_runtime_checks
-from revnet.drift import DriftError, DriftMonitor, DriftReading, DriftWarning
+from revnet.drift import (
+    DriftError,
+    DriftMonitor,
+    DriftReading,
+    DriftWarning,
+    set_boundary_check,
+)
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp
 from revnet.logdet import forward_and_log_det
@@ -105,4 +111,5 @@ __all__ = [
     "set_runtime_checks",
     "stored",
     "while_loop",
+    "set_boundary_check",
 ]

@@ -1,5 +1,5 @@
 """Argument checks of revnet's front ends (the loops' options use them in
-:mod:`revnet._loop_common`, the blocks' in :mod:`revnet._block_checks`).
+:mod:`revnet._loop_options`, the blocks' in :mod:`revnet._block_checks`).
 
 Every check raises a one-line ``TypeError`` (wrong kind of value) or
 ``ValueError`` (right kind, wrong value) written by :func:`fail`: it names

@@ -1,8 +1,7 @@
 """What ``revnet.while_loop`` and ``revnet.scan`` share, one step each.
 
-The front-ends in :mod:`revnet.loops` call these in order: the options
-checked (:func:`while_options`, :func:`scan_options`, with the one-line
-errors of :mod:`revnet._checks`); the body traced once to a flat jaxpr, the
+The front-ends in :mod:`revnet.loops` call these in order, after checking
+the options (:mod:`revnet._loop_options`): the body traced once to a flat jaxpr, the
 initial carry promoted as ``lax.scan`` does and the carry returned checked
 (:func:`traced_body`; a while loop's condition: :func:`traced_cond`); the
 decisions exposed and the backward mode chosen (:func:`backward_mode`, by the
@@ -13,216 +12,29 @@ is run by :func:`call`, which names the loop when forward mode reaches it.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from revnet._checks import (
-    check_bool,
-    check_callable,
-    check_int,
-    check_monitor,
-    fail,
-    one_of,
-)
 from revnet._engine import (
     INT32_MAX,
     Stuck,
     aval,
+    boundary,
     cannot_store,
-    check_options,
     choose,
     expose,
     leaf_paths,
     not_invertible,
-    revolve,
     row,
     struct,
     trace,
     trace_program,
 )
-from revnet.drift import DriftMonitor
-
-WHILE, SCAN = "while_loop", "scan"
-_BOOLS = (bool, np.bool_)
-
-
-# --------------------------------------------------------------------------- #
-# Options.
-
-_NON_NEGATIVE = "a non-negative integer known at trace time (a Python or NumPy integer)"
-_POSITIVE = "a positive integer known at trace time, or None"
-
-
-class Default(str):
-    """The default of ``mode=`` (``"auto"``), told apart from ``"auto"`` given."""
-
-
-AUTO = Default(choose.AUTO)
-
-# A sentinel: ``invert=`` was not given.
-UNSET: Any = object()
-
-_FROM_INVERT = {None: choose.AUTO, True: choose.INVERT, False: choose.CHECKPOINT}
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """A loop's options, checked.
-
-    ``bound`` is a while loop's ``max_steps`` (or None) and a scan's number of
-    steps; ``slots`` the number of snapshots when checkpointing;
-    ``anchor_every`` the anchor interval (the whole loop when only ``drift``
-    asks for anchors). A scan's ``xs`` are arrays, with their ``x_tree``, and
-    ``again`` holds its keyword options, to make it again under ``jax.vmap``.
-    """
-
-    loop: str
-    bound: int | None
-    slots: int
-    mode: str
-    anchor_every: int | None
-    drift: DriftMonitor | None
-    decisions: str
-    kinks: str
-    reverse: bool = False
-    unroll: int | bool = 1
-    xs: list = dataclasses.field(default_factory=list)
-    x_tree: Any = None
-    again: dict = dataclasses.field(default_factory=dict)
-
-
-def _positive(where: str, arg: str, value: Any, minimum: int = 1) -> int | None:
-    """None, or ``value`` checked to be a positive (``minimum=0``: non-negative)
-    integer."""
-    if value is None:
-        return None
-    if minimum == 0:
-        return check_int(where, arg, value, 0, _NON_NEGATIVE, "non-negative")
-    return check_int(where, arg, value, 1, _POSITIVE, "at least 1")
-
-
-def check_checkpoints(where: str, checkpoints: Any, bound: int | None) -> int:
-    """The number of snapshots: ``checkpoints`` checked, or the default."""
-    if checkpoints is None:
-        return revolve.default_slots(bound)
-    n = _positive(where, "checkpoints", checkpoints)
-    # More snapshots than steps are never used.
-    return n if bound is None else max(1, min(n, bound + 1))
-
-
-def _mode(where: str, mode: Any, invert: Any) -> str:
-    """The backward mode from ``mode=`` and the deprecated ``invert=``."""
-    if invert is not UNSET:
-        if mode is not AUTO:
-            raise TypeError(
-                f"{where}: got both invert= and mode=; invert= is deprecated, "
-                "give mode= only"
-            )
-        if not (invert is None or isinstance(invert, _BOOLS)):
-            raise fail(where, "invert", invert, "None (automatic), True or False")
-        mode = _FROM_INVERT[None if invert is None else bool(invert)]
-        warnings.warn(
-            f"{where}: invert={invert!r} is deprecated; use mode={mode!r}",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    if not isinstance(mode, str) or mode not in choose.MODES:
-        raise fail(where, "mode", mode, one_of(choose.MODES), ValueError)
-    return str(mode)
-
-
-def while_options(
-    cond_fun: Any, body_fun: Any, max_steps: Any, shared: tuple
-) -> Options:
-    """The options of ``revnet.while_loop`` checked; ``bound`` is ``max_steps``.
-
-    ``shared`` holds the options both loops take: ``(checkpoints, mode,
-    invert, anchor_every, drift, decisions, kinks)``.
-    """
-    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
-    check_options(decisions, kinks, WHILE)
-    check_callable(WHILE, "cond_fun", cond_fun)
-    check_callable(WHILE, "body_fun", body_fun)
-    bound = _positive(WHILE, "max_steps", max_steps, 0)
-    if bound is not None and bound > INT32_MAX:
-        raise fail(WHILE, "max_steps", bound, f"at most {INT32_MAX}", ValueError)
-    slots = check_checkpoints(WHILE, checkpoints, bound)
-    mode = _mode(WHILE, mode, invert)
-    if mode == "store" and bound is None:
-        raise ValueError(
-            "while_loop: mode='store' stores carry leaves at every step and needs "
-            "max_steps (room for that many steps); give max_steps, or use "
-            "mode='checkpoint'"
-        )
-    anchor_every = _positive(WHILE, "anchor_every", anchor_every)
-    drift = check_monitor(WHILE, "drift", drift)
-    if anchor_every is not None and bound is None:
-        raise ValueError(
-            "while_loop: anchor_every needs max_steps (room for the anchors is "
-            f"made for max_steps steps), got anchor_every={anchor_every} and "
-            "max_steps=None"
-        )
-    if drift is not None and anchor_every is None:
-        anchor_every = INT32_MAX if bound is None else max(bound, 1)
-    return Options(WHILE, bound, slots, mode, anchor_every, drift, decisions, kinks)
-
-
-def scan_options(
-    f: Any, xs: Any, length: Any, reverse: Any, unroll: Any, shared: tuple
-) -> Options:
-    """The options of ``revnet.scan`` checked, as :func:`while_options`;
-    ``bound`` is the number of steps, from ``length`` and ``xs``."""
-    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
-    check_options(decisions, kinks, SCAN)
-    check_callable(SCAN, "f", f)
-    length = _positive(SCAN, "length", length, 0)
-    expected = "a bool known at trace time (True or False)"
-    reverse = check_bool(SCAN, "reverse", reverse, expected)
-    if isinstance(unroll, _BOOLS):
-        unroll = bool(unroll)
-    else:
-        expected = "a bool or a non-negative integer known at trace time"
-        unroll = check_int(SCAN, "unroll", unroll, 0, expected)
-    mode = _mode(SCAN, mode, invert)
-    anchor_every = _positive(SCAN, "anchor_every", anchor_every)
-    drift = check_monitor(SCAN, "drift", drift)
-    again = dict(checkpoints=checkpoints, mode=mode, anchor_every=anchor_every)
-    again |= dict(drift=drift, decisions=decisions, kinks=kinks)
-    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
-    x_leaves = [jnp.asarray(x) for x in x_leaves]
-    n = _scan_length(x_leaves, length)
-    slots = check_checkpoints(SCAN, checkpoints, n)
-    if drift is not None and anchor_every is None:
-        anchor_every = max(n, 1)  # the initial carry only
-    checked = (mode, anchor_every, drift, decisions, kinks)
-    return Options(SCAN, n, slots, *checked, reverse, unroll, x_leaves, x_tree, again)
-
-
-def _scan_length(xs_leaves: list, length: int | None) -> int:
-    """The number of steps, from the leading axes of ``xs`` and ``length``."""
-    if any(np.ndim(x) == 0 for x in xs_leaves):
-        raise ValueError(
-            "scan got a scalar in xs; every leaf of xs needs a leading "
-            "axis to scan over"
-        )
-    lengths = {int(np.shape(x)[0]) for x in xs_leaves}
-    if length is not None:
-        lengths.add(length)
-    if len(lengths) > 1:
-        raise ValueError(
-            "scan got inconsistent lengths: the leading axes of xs and length give "
-            f"{sorted(lengths)}"
-        )
-    if not lengths:
-        raise ValueError("scan needs xs with a leading axis or an explicit length")
-    return lengths.pop()
-
+from revnet._loop_options import SCAN, WHILE, Options
 
 # --------------------------------------------------------------------------- #
 # The traced body.
@@ -429,10 +241,15 @@ def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
 
 
 def reporter(options: Options, body: TracedBody) -> Any:
-    """The drift report of ``revnet.{loop}({body})``, or None without a monitor."""
-    if options.drift is None:
-        return None
-    return options.drift.reporter(f"revnet.{options.loop}({body.name})")
+    """The drift report of ``revnet.{loop}({body})``: the boundary check
+    (:mod:`revnet._engine.boundary`) and the monitor's, or None without
+    either."""
+    source = f"revnet.{options.loop}({body.name})"
+    every, bound = options.anchor_every, options.bound
+    if every is None or every >= (INT32_MAX if bound is None else bound):
+        every = None  # the initial carry only: no anchors of the user's
+    monitor = None if options.drift is None else options.drift.reporter(source)
+    return boundary.chained(boundary.reporter(source, body.carry, every), monitor)
 
 
 def call(loop: str, run: Callable[..., Any], *args: Any) -> Any:

@@ -50,15 +50,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DriftError", "DriftMonitor", "DriftReading", "DriftWarning"]
+from revnet._engine import boundary
 
+DriftError = boundary.DriftError
+DriftWarning = boundary.DriftWarning
+set_boundary_check = boundary.set_boundary_check
 
-class DriftError(RuntimeError):
-    """A reversible backward pass rebuilt a carry further off than allowed."""
-
-
-class DriftWarning(RuntimeWarning):
-    """A reversible backward pass rebuilt a carry further off than allowed."""
+__all__ = [
+    "DriftError",
+    "DriftMonitor",
+    "DriftReading",
+    "DriftWarning",
+    "set_boundary_check",
+]
 
 
 class DriftReading(NamedTuple):

@@ -185,7 +185,7 @@ class _Invertible:
             # The plan is cached by structure; the call closes over this
             # trace's jaxpr (its rules and nested constants).
             return reversible_call.call(
-                jaxpr, program, exposed, plan, consts, flat_args, again
+                jaxpr, program, exposed, plan, consts, flat_args, again, fname
             )
 
         outs = again(flat_fun, flat_args)

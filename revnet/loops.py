@@ -59,6 +59,7 @@ from collections.abc import Callable
 from typing import Any
 
 from revnet import _loop_common as common
+from revnet import _loop_options as loop_options
 from revnet._engine import Body, ScanParams, scan_call, scan_function, while_function
 from revnet.drift import DriftMonitor
 
@@ -72,12 +73,12 @@ def while_loop(
     *,
     max_steps: int | None = None,
     checkpoints: int | None = None,
-    mode: str = common.AUTO,
+    mode: str = loop_options.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = common.UNSET,
+    invert: Any = loop_options.UNSET,
 ) -> Any:
     """``lax.while_loop`` that can be reverse-differentiated, for any body.
 
@@ -166,7 +167,7 @@ def while_loop(
         given without ``max_steps``.
     """
     shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
-    o = common.while_options(cond_fun, body_fun, max_steps, shared)
+    o = loop_options.while_options(cond_fun, body_fun, max_steps, shared)
     body = common.traced_body(body_fun, "body_fun", init_val, "init_val", o)
     cond_jaxpr, cond_consts = common.traced_cond(cond_fun, body)
     jaxpr, chosen, decided = common.backward_mode(body, o)
@@ -195,12 +196,12 @@ def scan(
     unroll: int | bool = 1,
     *,
     checkpoints: int | None = None,
-    mode: str = common.AUTO,
+    mode: str = loop_options.AUTO,
     anchor_every: int | None = None,
     drift: DriftMonitor | None = None,
     decisions: str = "store",
     kinks: str = "recompute",
-    invert: Any = common.UNSET,
+    invert: Any = loop_options.UNSET,
 ) -> tuple[Any, Any]:
     """``lax.scan`` with a memory-lean VJP, for any body.
 
@@ -290,7 +291,7 @@ def scan(
         is below 1.
     """
     shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
-    o = common.scan_options(f, xs, length, reverse, unroll, shared)
+    o = loop_options.scan_options(f, xs, length, reverse, unroll, shared)
     body = common.traced_body(f, "f", init, "init", o)
     jaxpr, chosen, decided = common.backward_mode(body, o)
     sp = ScanParams(Body(jaxpr, ()), body.nk, body.nc, o.bound, o.reverse, o.unroll)

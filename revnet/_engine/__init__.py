@@ -16,6 +16,7 @@ front-end.
 # evaluators to the engine's tables when imported: they are imported here on
 # purpose, each by name (tests/engine/test_structure.py fails if one is missing).
 from revnet._engine import (
+    boundary,
     cotangents,
     kept,
     known_args,
@@ -71,6 +72,7 @@ from revnet._engine.tracing import trace, trace_program
 
 __all__ = [
     "INT32_MAX",
+    "boundary",
     "CAST",
     "DECISIONS",
     "DECISION_MARK",

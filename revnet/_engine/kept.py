@@ -59,6 +59,7 @@ OUTPUT, CONSTANT, DECISION, KINK, INPUTS = (
     "kink",
     "inputs at point",
 )
+BOUNDARY = "checked input"
 ANCHOR, CARRY, INITIAL, XS, YS, TRIP, OTHER = (
     "anchor",
     "stored carry",
@@ -91,8 +92,9 @@ class StoredValue:
       kind: ``"output"``, ``"constant"``, ``"decision"``, ``"kink"``,
         ``"inputs at point"`` (an equation's rebuilt inputs, at which the
         backward pass evaluates it again), ``"stored carry"`` (a carry leaf
-        stored at every step), ``"anchor"``, ``"initial carry"``
-        (checkpointing), ``"xs"``, ``"ys"``, ``"trip count"``, or ``"other"``
+        stored at every step), ``"anchor"``, ``"checked input"`` (the input
+        or initial carry the boundary check compares the rebuilt one with),
+        ``"initial carry"`` (checkpointing), ``"xs"``, ``"ys"``, ``"trip count"``, or ``"other"``
         (a residual JAX keeps outside revnet's functions).
       shape: its shape (stacked values included).
       dtype: its dtype.
@@ -187,13 +189,16 @@ def _made_at(v: Any, producers: dict, fallback: str) -> str:
 # Hooks.
 
 
-def invertible(exposed: Any, consts: Sequence[Any], outs: Sequence[Any]) -> None:
+def invertible(
+    exposed: Any, consts: Sequence[Any], outs: Sequence[Any], given: Any = None
+) -> None:
     """Hook of ``@invertible``'s forward pass, which saves ``consts`` and ``outs``.
 
     Args:
       exposed: the :class:`~.decisions.Exposed` jaxpr the forward pass ran.
       consts: the closed-over values it saves.
       outs: its outputs, then its ``exposed.n`` stored decisions.
+      given: None, or the inputs it saves for the boundary check.
     """
     if _OFF.get():
         return
@@ -222,6 +227,8 @@ def invertible(exposed: Any, consts: Sequence[Any], outs: Sequence[Any]) -> None
         kind = _FROM_REASON.get(k.reason, DECISION)
         steps = int(np.shape(d)[0]) if "scan" in k.within and np.ndim(d) else None
         values.append(_value(kind, d, k.where or site, _why(k), by, steps))
+    why = "an input: its rebuilt copy is checked against it (set_boundary_check)"
+    values += [_value(BOUNDARY, g, site, why, by) for g in given or ()]
     _finish(sink, values, sum(v.nbytes for v in values if v.kind == OUTPUT))
 
 
@@ -287,8 +294,13 @@ def loop(
         at = _made_at(carry_out[n], made, site)
         values.append(_value(CARRY, buf, at, why, by, int(np.shape(buf)[0])))
     for a in ran.anchors:
+        rows = int(np.shape(a)[0])
+        if rows == 1:  # the initial carry alone: the boundary check, a monitor
+            why = "the initial carry: its rebuilt copy is checked against it"
+            values.append(_value(BOUNDARY, a, site, why, by, None))
+            continue
         why = f"the carry every {every} steps (anchor_every)"
-        values.append(_value(ANCHOR, a, site, why, by, int(np.shape(a)[0])))
+        values.append(_value(ANCHOR, a, site, why, by, rows))
     carry_bytes = sum(nbytes(np.shape(c), c.dtype) for c in ran.final)
     _finish(sink, values, carry_bytes)
 

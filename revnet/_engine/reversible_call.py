@@ -17,22 +17,29 @@ from typing import Any
 
 import jax
 
-from revnet._engine import cotangents, kept, perturbed, runtime_checks
+from revnet._engine import boundary, cotangents, kept, perturbed, runtime_checks
 from revnet._engine import jaxpr as jx
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.plan import Plan
 
 
 def vjp_function(
-    jaxpr: Any, exposed: Any, plan: Plan, n_consts: int
+    jaxpr: Any, exposed: Any, plan: Plan, n_consts: int, name: str = "function"
 ) -> Callable[..., Any]:
     """``run(consts, args)`` evaluating ``jaxpr``, with the inverting VJP.
 
     The forward pass of a differentiated call evaluates ``exposed.jaxpr``,
     ``jaxpr`` with its stored decisions as extra outputs, and saves those too;
-    ``plan`` rebuilds the inputs of ``exposed.jaxpr``.
+    ``plan`` rebuilds the inputs of ``exposed.jaxpr``. Unless the boundary
+    check is off (:mod:`.boundary`), the forward pass also saves the inputs
+    the plan rebuilds, and the backward pass compares its rebuilt ones with
+    them (``name``: the function, in the message).
     """
     n_out = len(jaxpr.outvars)
+    # The boundary check: the inputs the plan rebuilds, against the caller's.
+    rebuilt = [not k for k in plan.known_in[n_consts:]]
+    avals = [jx.aval(v) for v, r in zip(jaxpr.invars[n_consts:], rebuilt) if r]
+    report = boundary.reporter(f"revnet.invertible({name})", avals) if avals else None
 
     @jax.custom_vjp
     def run(consts, args):
@@ -42,17 +49,21 @@ def vjp_function(
         # Only the perturbed inputs are differentiated (symbolic zeros).
         (consts, args), flags = perturbed.split_primals((consts, args))
         outs = jx.eval_body(jx.Body(exposed.forward_jaxpr, ()), *consts, *args)
-        kept.invertible(exposed, consts, outs)  # what is saved: a report, a warning
-        return outs[:n_out], (consts, outs, perturbed.Flags(flags))
+        given = [a for a, r in zip(args, rebuilt) if r] if report else None
+        kept.invertible(exposed, consts, outs, given)  # a report, a warning
+        return outs[:n_out], (consts, outs, given, perturbed.Flags(flags))
 
     def bwd(res, cts):
-        consts, outs, flags = res
+        consts, outs, given, flags = res
         interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs), flags.value)
         cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
         cts = [*cts, *[None] * exposed.n]
         with runtime_checks.scope() as sc:
-            _, in_cts = interp.backward(cts, need_values=False)
+            values, in_cts = interp.backward(cts, need_values=given is not None)
         runtime_checks.raise_if_failed(sc)
+        if given is not None:
+            drift = boundary.relative_distance(values, given)
+            runtime_checks.host_callback(report, drift[None], 1)
         full = cotangents.fill(in_cts, [jx.aval(v) for v in jaxpr.invars])
         return full[:n_consts], full[n_consts:]
 
@@ -68,6 +79,7 @@ def call(
     consts: Sequence[Any],
     args: Sequence[Any],
     again: Callable[[Callable[..., Any], list], list],
+    name: str = "function",
 ) -> list[Any]:
     """``jaxpr``'s outputs on ``consts`` and ``args``, with the inverting VJP.
 
@@ -75,10 +87,11 @@ def call(
     batched, its nested revnet calls batch themselves. ``again(flat_fun,
     flat_args)`` makes the call anew for another program
     (the front-end's whole path: trace, analyse, call); a ``jax.vmap`` of
-    this call calls it on the batched program.
+    this call calls it on the batched program. ``name``: the function, in
+    messages.
     """
     n_consts = len(consts)
-    run = vjp_function(jaxpr, exposed, plan, n_consts)
+    run = vjp_function(jaxpr, exposed, plan, n_consts, name)
 
     def flat_run(*a):
         return run(list(a[:n_consts]), list(a[n_consts:]))

@@ -22,12 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from revnet._engine import runtime_checks
-from revnet._engine.cotangents import is_float
+from revnet._engine.boundary import relative_distance
 
 
 class Anchors(NamedTuple):
@@ -109,23 +108,6 @@ def restore(
         d = jnp.where(at, relative_distance(rebuilt, stored), drift[slot])
         drift = lax.dynamic_update_index_in_dim(drift, d, slot, 0)
     return carry, drift
-
-
-def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
-    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0)."""
-    pairs = [
-        (jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), y)
-        for x, y in zip(a, b)
-        if is_float(x)
-    ]
-    if not pairs:
-        return jnp.float32(0.0)
-    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))) for x, y in pairs)
-    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))) for x, y in pairs)
-    value = jnp.where(
-        den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
-    )
-    return value.astype(jnp.float32)
 
 
 def start(anchors: Anchors, slots: int) -> Any:

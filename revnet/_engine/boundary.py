@@ -1,0 +1,174 @@
+"""The boundary check: a backward pass's rebuilt input against the real one.
+
+Every reversible backward pass (an ``@invertible`` call, a stack, an inverted
+:func:`revnet.scan` or :func:`revnet.while_loop`) ends by rebuilding the input
+its caller passed in. Rebuilt values carry the rounding error of every step
+in between; in a well-conditioned program it stays near the dtype's
+precision, but a step that divides by a factor of modulus below 1 on every
+reversed step (a damped update, an absorbing boundary) or a chaotic one
+amplifies it until the rebuilt values, and the gradients computed at them,
+are far off or not finite, with nothing else to show for it.
+
+So by default the backward pass compares the input it rebuilt with the one
+the caller passed (kept for that: one carry of memory) by their relative L2
+distance, and past a tolerance derived from the dtype, the square root of
+its machine epsilon (half its significant digits lost: 3.5e-4 in float32,
+1.5e-8 in float64), warns (:class:`DriftWarning`) or raises
+(:class:`DriftError`) in one line naming the call, the error and what to do.
+:func:`set_boundary_check` sets what happens, for the functions traced after
+it: ``"warn"`` (the default), ``"raise"`` or ``"off"``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from revnet._engine.cotangents import is_float
+
+MODES = ("warn", "raise", "off")
+_SETTING = ["warn"]
+
+
+class DriftError(RuntimeError):
+    """A reversible backward pass rebuilt a carry further off than allowed."""
+
+
+class DriftWarning(RuntimeWarning):
+    """A reversible backward pass rebuilt a carry further off than allowed."""
+
+
+def set_boundary_check(mode: str) -> None:
+    """Sets what a reversible backward pass does when the input it rebuilt is
+    further from the real one than the dtype's tolerance.
+
+    Args:
+      mode: ``"warn"`` (the default: a :class:`DriftWarning`), ``"raise"`` (a
+        :class:`DriftError`, raised where the backward pass's result is read;
+        under ``jit`` JAX wraps it in its runtime error) or ``"off"`` (no
+        check, no carry kept). Applies to functions traced after the call.
+
+    Raises:
+      ValueError: If ``mode`` is not one of these.
+
+    Example:
+      >>> import revnet
+      >>> revnet.set_boundary_check("raise")
+      >>> revnet.set_boundary_check("warn")
+    """
+    if mode not in MODES:
+        raise ValueError(
+            f"set_boundary_check: mode must be one of {MODES}, got {mode!r}"
+        )
+    _SETTING[0] = mode
+
+
+def boundary_check() -> str:
+    """The current setting of :func:`set_boundary_check`."""
+    return _SETTING[0]
+
+
+def active() -> bool:
+    """Whether backward passes traced now check their rebuilt input."""
+    return _SETTING[0] != "off"
+
+
+def tolerance(values: Sequence[Any]) -> float:
+    """The largest relative error allowed for a carry of ``values``: the square
+    root of the machine epsilon of its least precise float leaf."""
+    dtypes = [getattr(v, "dtype", None) or jnp.result_type(v) for v in values]
+    eps = [float(jnp.finfo(d).eps) for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
+    return math.sqrt(max(eps, default=float(jnp.finfo(jnp.float32).eps)))
+
+
+def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
+    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0)."""
+    pairs = [
+        (jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), y)
+        for x, y in zip(a, b)
+        if is_float(x)
+    ]
+    if not pairs:
+        return jnp.float32(0.0)
+    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))) for x, y in pairs)
+    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))) for x, y in pairs)
+    value = jnp.where(
+        den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
+    )
+    return value.astype(jnp.float32)
+
+
+def reporter(source: str, values: Sequence[Any], every: int | None = None):
+    """The function ``report(drift, used)`` a backward pass of ``source``
+    sends the relative error at its anchors to (anchor ``j`` is the carry
+    before step ``j * every``; the first is its input), or None when the
+    check is off. ``values``: the carry's leaves (their dtypes set the
+    tolerance); ``every``: the loop's own anchor spacing, or None."""
+    mode = _SETTING[0]
+    if mode == "off":
+        return None
+    tol = tolerance(values)
+
+    def report(drift: Any, used: Any) -> None:
+        drift = np.asarray(drift)[: int(used)]
+        if drift.size == 0:
+            return
+        bad = ~(drift <= tol)  # non-finite drift counts as too large
+        if not bad.any():
+            return
+        # The backward pass runs from the end: the last anchor past the
+        # tolerance is where it was first detectable.
+        last = int(np.flatnonzero(bad)[-1])
+        worst = float(np.max(np.where(np.isfinite(drift), drift, np.inf)))
+        step = None if every is None or drift.size < 2 else last * every
+        message = _message(source, worst, tol, step)
+        if mode == "raise":
+            raise DriftError(message)
+        warnings.warn(message, DriftWarning, stacklevel=2)
+
+    return report
+
+
+def chained(*reports: Any) -> Any:
+    """One report calling each of ``reports`` that is not None (or None)."""
+    reports = tuple(r for r in reports if r is not None)
+    if len(reports) < 2:
+        return reports[0] if reports else None
+
+    def report(drift: Any, used: Any) -> None:
+        for r in reports:
+            r(drift, used)
+
+    return report
+
+
+def _message(source: str, worst: float, tol: float, step: int | None) -> str:
+    where = "" if step is None else f" (first past it at the anchor before step {step})"
+    more = "anchors (anchor_every=k)" if step is None else "a smaller anchor_every"
+    return (
+        f"revnet: {source} rebuilt its input with relative error {worst:.3g}, "
+        f"over the tolerance {tol:.2g} of its dtype{where}, so its gradients may be "
+        f"wrong; likely cause: a step that is not stably invertible (it divides by "
+        f"a factor of modulus below 1, as damping or an absorbing boundary does, "
+        f"or it is chaotic); try: {more}, exact mode (revnet.exact), or "
+        f"mode='checkpoint' (revnet.set_boundary_check('off') silences this)"
+    )
+
+
+__all__ = [
+    "DriftError",
+    "DriftWarning",
+    "active",
+    "boundary_check",
+    "chained",
+    "relative_distance",
+    "reporter",
+    "set_boundary_check",
+    "tolerance",
+]
