@@ -32,7 +32,9 @@ elementwise operations on ``ceil(depth / k)`` carries, next to the body's
 VJP at every step) and one host callback, a synchronisation point, per
 backward pass. Without ``anchor_every``, a monitored loop stores its initial
 carry (one carry of memory) and reports the reconstruction error of the whole
-loop. Without a monitor nothing is measured. The monitor is bound when the
+loop. Without a monitor, the boundary check (on by default,
+:func:`set_boundary_check`) still compares the rebuilt input with the real one
+and warns past a tolerance derived from the dtype. The monitor is bound when the
 function is traced: a jitted function keeps reporting to the monitor it was
 traced with. Readings arrive asynchronously, as the compiled program runs:
 ``jax.effects_barrier()`` waits for them. Loops that checkpoint

@@ -200,8 +200,10 @@ def stored(f: Callable[..., Any], *args: Any, **kwargs: Any) -> StoredReport:
     output (2, 4) float32 32 None
     output (2, 4) float32 32 None
     decision (8, 2, 4) bool 64 8
+    checked input (2, 4) float32 32 None
+    checked input (2, 4) float32 32 None
     >>> report.total_bytes, report.growing_bytes
-    (640, 64)
+    (704, 64)
     """
     fun = functools.partial(f, **kwargs) if kwargs else f
     with kept.recording() as values:

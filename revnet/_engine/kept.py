@@ -94,8 +94,9 @@ class StoredValue:
         backward pass evaluates it again), ``"stored carry"`` (a carry leaf
         stored at every step), ``"anchor"``, ``"checked input"`` (the input
         or initial carry the boundary check compares the rebuilt one with),
-        ``"initial carry"`` (checkpointing), ``"xs"``, ``"ys"``, ``"trip count"``, or ``"other"``
-        (a residual JAX keeps outside revnet's functions).
+        ``"initial carry"`` (checkpointing), ``"xs"``, ``"ys"``, ``"trip
+        count"``, or ``"other"`` (a residual JAX keeps outside revnet's
+        functions).
       shape: its shape (stacked values included).
       dtype: its dtype.
       nbytes: its size in bytes.

@@ -102,9 +102,11 @@ def test_report_of_each_decision_program_is_the_compiled_residuals(name):
         report = revnet.stored(f, *args)
     assert_report_is_compiled(report, f, *args)
     kinds = report.by_kind()
-    assert set(kinds) == {"constant", "output", "decision"}, kinds
+    assert set(kinds) == {"constant", "output", "decision", "checked input"}, kinds
     assert kinds["constant"] == sum(x.nbytes for x in jax.tree.leaves(args[0]))
     assert kinds["output"] == args[1].nbytes + args[2].nbytes
+    # The boundary check keeps the input the backward pass rebuilds.
+    assert kinds["checked input"] == args[1].nbytes + args[2].nbytes
     decided = [e for e in report.entries if e.kind == "decision"]
     assert len(decided) == 2  # one in F and one in G
     for e in decided:
@@ -131,7 +133,7 @@ def test_report_of_a_decision_free_stack_is_the_compiled_residuals():
             report = revnet.stored(f, *args)
         assert_report_is_compiled(report, f, *args)
         assert report.growing_bytes == 0
-        assert set(report.by_kind()) == {"constant", "output"}
+        assert set(report.by_kind()) == {"constant", "output", "checked input"}
         assert not [w for w in caught if w.category is revnet.StoredGrowthWarning]
 
 
@@ -159,6 +161,7 @@ def test_report_of_the_moe_block_is_the_compiled_residuals():
         "constant": params_bytes,
         "output": x.nbytes,
         "decision": depth * tokens * td.TOP_K * 4,
+        "checked input": x.nbytes,  # kept by the boundary check
     }
 
 
@@ -210,7 +213,7 @@ LOOPS = {
     "scan invert": (
         lambda i, w: revnet.scan(_step, i, w, mode="invert"),
         (INIT, WS),
-        {"xs", "output", "ys"},
+        {"xs", "output", "ys", "checked input"},
     ),
     "scan checkpoint": (
         lambda i, w: revnet.scan(_step, i, w, mode="checkpoint"),
@@ -225,19 +228,19 @@ LOOPS = {
     "scan decisions": (
         lambda i, w: revnet.scan(_deciding_step, i, w),
         (INIT, WS),
-        {"xs", "output", "decision"},
+        {"xs", "output", "decision", "checked input"},
     ),
     "scan store": (
         lambda i, w: revnet.scan(_leapfrog, i, w, mode="store"),
         (TOP, jnp.ones(5)),
-        {"xs", "output", "stored carry"},
+        {"xs", "output", "stored carry", "checked input"},
     ),
     "while store": (
         lambda i: revnet.while_loop(
             lambda c: c[2] < 2.0, _leap_body, i, max_steps=50, mode="store"
         ),
         (TOP,),
-        {"trip count", "output", "stored carry"},
+        {"trip count", "output", "stored carry", "checked input"},
     ),
     "while checkpoint": (
         lambda i: revnet.while_loop(lambda c: c[2] < 2.0, _leap_body, i),
@@ -256,7 +259,7 @@ LOOPS = {
             lambda c: c[0][0] < 5.0, _deciding_body, i, max_steps=20
         ),
         (INIT,),
-        {"trip count", "output", "decision"},
+        {"trip count", "output", "decision", "checked input"},
     ),
     "while kinks": (
         lambda i: revnet.while_loop(
@@ -268,14 +271,14 @@ LOOPS = {
             decisions="recompute",
         ),
         (INIT,),
-        {"trip count", "output", "kink"},
+        {"trip count", "output", "kink", "checked input"},
     ),
     "invertible around revnet.scan": (
         lambda a, b: revnet.invertible(
             lambda a, b: revnet.scan(_deciding_step, (a, b), WS)[0]
         )(a, b),
         INIT,
-        {"constant", "output", "decision"},
+        {"constant", "output", "decision", "checked input"},
     ),
 }
 
@@ -377,7 +380,8 @@ def test_report_reads_as_a_table_and_takes_structs_and_keywords():
     assert "revnet.invertible at " in text and "test_stored.py" in text
     assert "kind" in text and "source line" in text and "[256,8]" in text
     # The scaling outside the invertible function keeps its scalar (JAX's).
-    assert {e.kind for e in report.entries} == {"constant", "output", "other"}
+    kinds = {e.kind for e in report.entries}
+    assert kinds == {"constant", "output", "other", "checked input"}
     others = [(e.shape, e.nbytes) for e in report.entries if e.kind == "other"]
     assert others == [((), 4)]
 

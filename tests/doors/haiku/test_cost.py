@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from revnet import blocks
+from revnet import blocks, set_boundary_check
 from tests.doors.haiku.descriptors import affine
 from tests.helpers import compiled, flop_count, runtime_checks, temp_size
 
@@ -80,8 +80,17 @@ SHAPES = {
 
 
 @functools.cache
-def train_step(model, depth: int, reversible: bool):
-    """The compiled ``jit(grad(loss))`` of a model (parameters never built)."""
+def train_step(model, depth: int, reversible: bool, check: str = "warn"):
+    """The compiled ``jit(grad(loss))`` of a model (parameters never built),
+    with the boundary check as ``check`` sets it (the default: on)."""
+    set_boundary_check(check)
+    try:
+        return _train_step(model, depth, reversible)
+    finally:
+        set_boundary_check("warn")
+
+
+def _train_step(model, depth: int, reversible: bool):
     net = model(depth, reversible)
     x = jax.ShapeDtypeStruct(SHAPES[model], jnp.float32)
     params, state = jax.eval_shape(net.init, jax.random.PRNGKey(0), x)
@@ -93,8 +102,8 @@ def train_step(model, depth: int, reversible: bool):
         return compiled(jax.grad(loss), params, state, x)
 
 
-def temp(model, depth, reversible):
-    return temp_size(train_step(model, depth, reversible))
+def temp(model, depth, reversible, check="warn"):
+    return temp_size(train_step(model, depth, reversible, check))
 
 
 @pytest.mark.parametrize(
@@ -112,16 +121,28 @@ def test_activation_memory_is_flat_in_depth(model, depths):
     assert rev[large] * (large / small) / 2 <= std[large]
 
 
-def flop_ratio(model, depth):
-    rev, std = (flop_count(train_step(model, depth, r)) for r in (True, False))
-    return rev / std
+def flop_ratio(model, depth, check="off"):
+    """FLOPs reversible / standard; the 4/3 bound is the structure's, so
+    measured with the boundary check off (its cost: test_the_check_costs)."""
+    rev = flop_count(train_step(model, depth, True, check))
+    return rev / flop_count(train_step(model, depth, False))
 
 
 def test_anchors_add_one_activation_each():
     activation = 256 * 64 * 4
-    growth = temp(anchored, 64, True) - temp(anchored, 4, True)
+    growth = temp(anchored, 64, True, "off") - temp(anchored, 4, True, "off")
     assert growth == (64 // 4 - 4 // 4) * activation, growth
     assert temp(anchored, 64, True) * 4 <= temp(anchored, 64, False)
+    # The boundary check reads the drift at every anchor: one float32 each,
+    # and at most one more activation live while it compares.
+    for depth in (4, 64):
+        extra = temp(anchored, depth, True) - temp(anchored, depth, True, "off")
+        assert 0 <= extra <= activation + 4 * (depth // 4) + 64, (depth, extra)
+
+
+@pytest.mark.parametrize("model", [sequence, anchored, revnet, transformer])
+def test_the_boundary_check_costs_under_two_percent_of_flops(model):
+    assert flop_ratio(model, 4, "warn") <= 1.02 * flop_ratio(model, 4), model
 
 
 @pytest.mark.parametrize("model", [sequence, anchored, revnet, transformer])
