@@ -344,6 +344,16 @@ def load_example(name: str, module_name: str | None = None):
 
 
 @contextlib.contextmanager
+def boundary_check(mode):
+    """The boundary check set to ``mode`` inside the block, then the default."""
+    revnet.set_boundary_check(mode)
+    try:
+        yield
+    finally:
+        revnet.set_boundary_check("warn")
+
+
+@contextlib.contextmanager
 def calls_of(*fns):
     """The calls of the Python functions ``fns`` made inside the block (the
     caller's name for each), seen by a profiler (``sys.setprofile``): nothing

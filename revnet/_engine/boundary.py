@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float
 
 MODES = ("warn", "raise", "off")
@@ -118,6 +119,11 @@ def reporter(source: str, values: Sequence[Any], every: int | None = None):
     if mode == "off":
         return None
     tol = tolerance(values)
+    # The user's line that called the loop or function: the warning points
+    # there, not at the callback that reports it.
+    site = jx.caller_site()
+    if site:
+        source = f"{source} at {site}"
 
     def report(drift: Any, used: Any) -> None:
         drift = np.asarray(drift)[: int(used)]
@@ -134,7 +140,7 @@ def reporter(source: str, values: Sequence[Any], every: int | None = None):
         message = _message(source, worst, tol, step)
         if mode == "raise":
             raise DriftError(message)
-        warnings.warn(message, DriftWarning, stacklevel=2)
+        warnings.warn_explicit(message, DriftWarning, *jx.site_line(site))
 
     return report
 

@@ -17,9 +17,10 @@ exactly the values it saves, when it is traced. The hooks change nothing.
   memory grow with depth or steps. When those bytes per step exceed
   :data:`GROWTH_FRACTION` of one activation (the bytes of the function's
   outputs, or of the loop's carry), a :class:`StoredGrowthWarning` names each
-  source line, once per line. Anchors (asked for with ``anchor_every``) and
-  the user's own ``xs`` and ``ys`` also grow with steps, and are reported,
-  but never warned about.
+  source line and primitive, once per line in each trace (so every program
+  traced with other shapes or step counts warns again). Anchors (asked for
+  with ``anchor_every``) and the user's own ``xs`` and ``ys`` also grow with
+  steps, and are reported, but never warned about.
 * **Off.** Inside :func:`hooks_off` the hooks return at once, for tests:
   that a program traced there is the one traced with the hooks, and that a
   report missing a call's values fails the check against the program.
@@ -32,7 +33,6 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -78,7 +78,9 @@ class StoredGrowthWarning(UserWarning):
     """What a reversible function keeps grows with its depth or steps.
 
     Raised through :mod:`warnings` when the function is traced for
-    differentiation, once per source line. Silence it with
+    differentiation, once per source line in each program (an identical
+    message at the same line is shown once, as :mod:`warnings` does by
+    default). Silence it with
     ``warnings.filterwarnings("ignore", category=revnet.StoredGrowthWarning)``
     or make it an error with ``"error"``.
     """
@@ -106,6 +108,9 @@ class StoredValue:
         (``"revnet.scan at train.py:40 (loss)"``), or ``"jax"``.
       steps: the number of steps (layers) it is stacked over, the leading
         axis of its shape; None when it does not grow with steps.
+      primitive: the equation it is kept for (a decision, a kink, inputs at
+        a point), as ```gt``` or ```custom_jvp_call` (relu)``; ``""`` for
+        the other kinds.
     """
 
     kind: str
@@ -116,6 +121,7 @@ class StoredValue:
     reason: str
     kept_by: str
     steps: int | None = None
+    primitive: str = ""
 
     @property
     def per_step(self) -> int:
@@ -129,7 +135,9 @@ _SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "revnet_kept_off", default=False
 )
-_WARNED: set[tuple[str, int]] = set()
+# What :func:`warnings.warn_explicit` has shown: an identical message at the
+# same line is shown once (the "default" filter), a changed one again.
+_REGISTRY: dict = {}
 
 
 @contextlib.contextmanager
@@ -155,8 +163,8 @@ def hooks_off() -> Iterator[None]:
 
 
 def forget_warnings() -> None:
-    """Lets every source line warn again (for tests)."""
-    _WARNED.clear()
+    """Lets every message warn again (for tests)."""
+    _REGISTRY.clear()
 
 
 def nbytes(shape: Sequence[int], dtype: Any) -> int:
@@ -167,13 +175,13 @@ def nbytes(shape: Sequence[int], dtype: Any) -> int:
     return math.prod(shape) * int(size)
 
 
-def _value(kind, x, where, reason, by, steps=None) -> StoredValue:
+def _value(kind, x, where, reason, by, steps=None, primitive="") -> StoredValue:
     shape = tuple(int(d) for d in np.shape(x))
     dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
     if steps is not None and not shape:
         steps = None
     return StoredValue(
-        kind, shape, dtype, nbytes(shape, dtype), where, reason, by, steps
+        kind, shape, dtype, nbytes(shape, dtype), where, reason, by, steps, primitive
     )
 
 
@@ -227,7 +235,7 @@ def invertible(
     for k, d in zip(exposed.kept, outs[n_out:]):
         kind = _FROM_REASON.get(k.reason, DECISION)
         steps = int(np.shape(d)[0]) if "scan" in k.within and np.ndim(d) else None
-        values.append(_value(kind, d, k.where or site, _why(k), by, steps))
+        values.append(_value(kind, d, k.where or site, _why(k), by, steps, k.label))
     why = "an input: its rebuilt copy is checked against it (set_boundary_check)"
     values += [_value(BOUNDARY, g, site, why, by) for g in given or ()]
     _finish(sink, values, sum(v.nbytes for v in values if v.kind == OUTPUT))
@@ -286,7 +294,7 @@ def loop(
         kind_ = _FROM_REASON.get(k.reason, DECISION)
         why = _why(k) + ", one per step"
         rows = int(np.shape(d)[0]) if length is None else length  # max_steps
-        values.append(_value(kind_, d, k.where or site, why, by, rows))
+        values.append(_value(kind_, d, k.where or site, why, by, rows, k.label))
     made = _producers(sp.body.jaxpr)
     carry_out = sp.body.jaxpr.outvars[: sp.num_carry]
     leaves = [n for n, s in enumerate(mode.stored) if s]
@@ -328,20 +336,9 @@ def _finish(sink: list | None, values: list[StoredValue], activation: int) -> No
         return
     lines: dict[tuple, list[StoredValue]] = {}
     for v in growing:
-        lines.setdefault(_line(v.where or v.kept_by), []).append(v)
+        lines.setdefault(jx.site_line(v.where or v.kept_by), []).append(v)
     for line, group in lines.items():
-        if line not in _WARNED:
-            _warn(line, group, per_step, activation)
-            _WARNED.add(line)
-
-
-_LINE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \(")
-
-
-def _line(where: str) -> tuple[str, int]:
-    """``(file, line)`` of a source line ``file:line[:column] (function)``."""
-    m = _LINE.match(where)
-    return (m["file"], int(m["line"])) if m else (where or "<revnet>", 0)
+        _warn(line, group, per_step, activation)
 
 
 _NOUNS = {
@@ -357,12 +354,15 @@ def _warn(
 ) -> None:
     first = group[0]
     counts = collections.Counter(
-        (v.kind, f"{_dtype_name(v.dtype)}{list(v.shape[1:])}") for v in group
+        (v.kind, f"{_dtype_name(v.dtype)}{list(v.shape[1:])}", v.primitive)
+        for v in group
     )
     what = ", ".join(
-        f"{_NOUNS[kind][0]} {t}" if n == 1 else f"{n} {_NOUNS[kind][1]} {t}"
-        for (kind, t), n in counts.items()
+        (f"{_NOUNS[kind][0]} {t}" if n == 1 else f"{n} {_NOUNS[kind][1]} {t}")
+        + (f" of {p}" if p else "")
+        for (kind, t, p), n in counts.items()
     )
+    jumps = sorted({v.primitive for v in group if v.kind in (DECISION, INPUTS)})
     where = first.where or first.kept_by
     mine = sum(v.per_step for v in group)
     share = f"{100 * total / activation:.0f}%" if activation else "all"
@@ -379,9 +379,13 @@ def _warn(
             "branch of every kink)"
         )
     else:
+        named = " and ".join(p for p in jumps if p) or "it"
         fix = (
-            "pass decisions='recompute' (nothing is stored, and a recomputed "
-            "decision may flip near a tie)"
+            f"pass decisions='recompute' (nothing is stored; {named} "
+            f"jump{'s' if len(jumps) < 2 else ''} rather than vary smoothly, "
+            "so recomputing is safe only where the rebuilt inputs stay on the "
+            "same side of every tie: a decision that flips makes the rebuilt "
+            "carry drift, which the boundary check reports)"
         )
     message = (
         f"{first.kept_by} stores, at every step ({first.steps} "
@@ -390,7 +394,7 @@ def _warn(
         f"activation ({activation:,} bytes), so memory grows with depth or "
         f"steps. To avoid it, {fix}. revnet.stored(f, *args) lists what is kept."
     )
-    warnings.warn_explicit(message, StoredGrowthWarning, *line)
+    warnings.warn_explicit(message, StoredGrowthWarning, *line, registry=_REGISTRY)
 
 
 def _dtype_name(dtype: Any) -> str:

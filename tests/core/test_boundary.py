@@ -10,7 +10,6 @@ must pass silently; and the check must cost at most one carry of memory and
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import haiku as hk
@@ -21,16 +20,13 @@ import pytest
 
 import revnet
 from revnet import blocks
-from tests.helpers import compiled, flop_count, runtime_checks, temp_size
-
-
-@contextlib.contextmanager
-def boundary(mode):
-    revnet.set_boundary_check(mode)
-    try:
-        yield
-    finally:
-        revnet.set_boundary_check("warn")
+from tests.helpers import (
+    boundary_check,
+    compiled,
+    flop_count,
+    runtime_checks,
+    temp_size,
+)
 
 
 def _damped(c, w):
@@ -143,12 +139,12 @@ def test_a_well_conditioned_step_passes_silently(kind, dtype):
 
 def test_raise_and_off():
     x, w = jnp.ones(4), jnp.full((120,), 0.3)
-    with boundary("raise"):
+    with boundary_check("raise"):
         loss = _scan_loss(_damped)
         with pytest.raises(Exception, match="rebuilt its input with relative error"):
             jax.block_until_ready(jax.jit(jax.grad(loss))(w, x))
             jax.effects_barrier()
-    with boundary("off"):
+    with boundary_check("off"):
         _, found = _warnings(_scan_loss(_damped), w, x)
     assert not found
     with pytest.raises(ValueError, match="set_boundary_check: mode must be one of"):
@@ -207,7 +203,7 @@ def test_the_check_costs_at_most_one_carry_and_two_percent_of_flops(where):
 
     programs = {}
     for mode in ("off", "warn"):
-        with boundary(mode), runtime_checks(False):
+        with boundary_check(mode), runtime_checks(False):
             fn = jax.grad(lambda *a: loss(*a))  # a new function: traced anew
             programs[mode] = compiled(fn, params, state, x)
     # One carry, and the reading: a float32 scalar, which XLA aligns to 64 bytes.

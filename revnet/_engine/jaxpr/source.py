@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 import jax
@@ -68,3 +69,14 @@ def caller_site() -> str:
             return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return ""
+
+
+_LINE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \(")
+
+
+def site_line(site: str) -> tuple[str, int]:
+    """``(file, line)`` of a site ``file:line[:column] (function)`` (as
+    :func:`where` and :func:`caller_site` give), for
+    :func:`warnings.warn_explicit`; ``("<revnet>", 0)`` for ``""``."""
+    m = _LINE.match(site)
+    return (m["file"], int(m["line"])) if m else (site or "<revnet>", 0)

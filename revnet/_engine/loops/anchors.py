@@ -105,7 +105,9 @@ def restore(
     ]
     carry = [jnp.where(at, s, r) for s, r in zip(stored, rebuilt)]
     if drift is not None:
-        d = jnp.where(at, relative_distance(rebuilt, stored), drift[slot])
+        # Read from the carry continued from (the stored anchor at anchors),
+        # not from the slice: a slice with two readers is copied out.
+        d = jnp.where(at, relative_distance(rebuilt, carry), drift[slot])
         drift = lax.dynamic_update_index_in_dim(drift, d, slot, 0)
     return carry, drift
 

@@ -16,9 +16,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from revnet import blocks, set_boundary_check
+from revnet import blocks
 from tests.doors.haiku.descriptors import affine
-from tests.helpers import compiled, flop_count, runtime_checks, temp_size
+from tests.helpers import (
+    boundary_check,
+    compiled,
+    flop_count,
+    runtime_checks,
+    temp_size,
+)
 
 
 def wide_additive(h: jax.Array) -> jax.Array:
@@ -83,11 +89,8 @@ SHAPES = {
 def train_step(model, depth: int, reversible: bool, check: str = "warn"):
     """The compiled ``jit(grad(loss))`` of a model (parameters never built),
     with the boundary check as ``check`` sets it (the default: on)."""
-    set_boundary_check(check)
-    try:
+    with boundary_check(check):
         return _train_step(model, depth, reversible)
-    finally:
-        set_boundary_check("warn")
 
 
 def _train_step(model, depth: int, reversible: bool):
@@ -134,7 +137,7 @@ def test_anchors_add_one_activation_each():
     assert growth == (64 // 4 - 4 // 4) * activation, growth
     assert temp(anchored, 64, True) * 4 <= temp(anchored, 64, False)
     # The boundary check reads the drift at every anchor: one float32 each,
-    # and at most one more activation live while it compares.
+    # and at most one more activation (one carry) live while it compares.
     for depth in (4, 64):
         extra = temp(anchored, depth, True) - temp(anchored, depth, True, "off")
         assert 0 <= extra <= activation + 4 * (depth // 4) + 64, (depth, extra)
