@@ -28,6 +28,7 @@ from revnet._engine import (
     choose,
     expose,
     leaf_paths,
+    lost_leaves,
     not_invertible,
     row,
     struct,
@@ -73,7 +74,10 @@ class TracedBody:
 
     def fail(self, stuck: Any) -> Exception:
         """The :class:`revnet.NotInvertibleError` of ``stuck``, naming the leaf."""
-        return not_invertible(stuck, leaf_paths(*self.paths), self.nk, self.name)
+        carry = range(self.nk, self.nk + self.nc)
+        lost = [self.nk + k for k in lost_leaves(self.jaxpr, carry, stuck.unknown)]
+        paths = leaf_paths(*self.paths)
+        return not_invertible(stuck, paths, self.nk, self.name, lost=lost)
 
     def unflatten(self, leaves: list) -> Any:
         """The loop's result from its leaves."""

@@ -59,6 +59,7 @@ from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, row, struct,
 from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
 from revnet._engine.loops.revolve import INT32_MAX
+from revnet._engine.loops.store import lost_leaves
 from revnet._engine.plan import Plan
 from revnet._engine.registry import InverseRule, InverseRuleFn, register_inverse
 from revnet._engine.structural import (
@@ -103,6 +104,7 @@ __all__ = [
     "kept",
     "known_args",
     "leaf_paths",
+    "lost_leaves",
     "log_det",
     "choose",
     "not_invertible",

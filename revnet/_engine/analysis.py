@@ -38,6 +38,8 @@ from revnet._engine.errors import (
     RESIDUAL,
     RESIDUAL_PRIMITIVES,
     WAITING,
+    WRAP,
+    WRAP_PRIMITIVES,
     Failure,
     NotInvertibleError,
     RuleError,
@@ -379,6 +381,9 @@ class Analysis:
                 if name in ON_STREAM_PRIMITIVES:
                     reason += ": it loses information"
                     self.fail(i, eqn, reason, hint=ON_STREAM)
+                elif name in WRAP_PRIMITIVES:
+                    reason += ": it wraps values into a period"
+                    self.fail(i, eqn, reason, hint=WRAP)
                 else:
                     self.fail(i, eqn, reason)
             return []

@@ -42,6 +42,7 @@ BROKEN, REFUSED, WAITING = 0, 1, 2
 # one half of the stream from a function of the other, known, half; functions
 # that lose information belong there.
 RESIDUAL, ON_STREAM, CAST, SINGULAR = "residual", "on_stream", "cast", "singular"
+WRAP = "wrap"
 _COUPLING = "y1 = x1 + f(x2); y2 = x2 + g(y1)"
 HINTS = {
     RESIDUAL: (
@@ -57,6 +58,12 @@ HINTS = {
     CAST: (
         "try: keep the stream in its floating dtype and cast inside a coupling's "
         "F or G (revnet.blocks.AdditiveCoupling's compute_dtype= does)"
+    ),
+    WRAP: (
+        "try: carry unwrapped coordinates (add the displacement without the "
+        "periodic wrap, as jax_md.space.free()'s shift does) and wrap them only "
+        "where they are read, in displacements and energies: a wrapped "
+        "coordinate no longer says how many periods it crossed"
     ),
     SINGULAR: (
         "try: use an invertible matrix (identity- or orthogonal-initialised, or "
@@ -80,6 +87,9 @@ ON_STREAM_PRIMITIVES = frozenset(
         "clamp",
     }
 )
+
+# Primitives that wrap a value into a period (a periodic boundary).
+WRAP_PRIMITIVES = frozenset({"rem"})
 
 # Binary primitives whose operands, both depending on one unknown value, make a
 # residual ``x + f(x)`` (or ``x * f(x)``).
@@ -181,6 +191,7 @@ def not_invertible(
     fname: str,
     *,
     traced: bool = True,
+    lost: Sequence[int] = (),
 ) -> NotInvertibleError:
     """The user-facing error for ``stuck``.
 
@@ -192,6 +203,8 @@ def not_invertible(
       traced: whether the refusal comes from tracing a call of ``fname`` (the
         message then says why a call that is not differentiated is refused);
         False for :func:`revnet.inverse`.
+      lost: the inputs (positions, as ``stuck.unknown``) a loop's step
+        overwrites: given them, the rest inverts. The hint then names them.
 
     Returns:
       The error: one line naming the equation, the reason, the source line and
@@ -215,11 +228,23 @@ def not_invertible(
     prim, reason, where = f.describe()
     where = where or jx.caller_site()
     loc = f" at {where}" if where else ""
+    library = jx.library_where(f.deepest().eqn)
+    if library and library != where:  # made inside an installed package
+        loc = f" at {library}" + (f", called from {where}" if where else "")
     hint = f.deepest().hint
+    text = HINTS[hint] if hint is not None else ""
+    if lost and hint is None:
+        leaves = ", ".join(describe(n) for n in lost)
+        text = (
+            f"try: the step overwrites {leaves} (no output determines its old "
+            "value); compute it from the other leaves at the start of the step "
+            "instead of carrying it (a force from the positions, before the first "
+            "momentum update), and the step inverts; or pass mode='auto', which "
+            "stores it at every step"
+        )
     return NotInvertibleError(
         f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "
-        f"{names} could not be recovered{when}"
-        + (f"\n{HINTS[hint]}" if hint is not None else "")
+        f"{names} could not be recovered{when}" + (f"\n{text}" if text else "")
     )
 
 

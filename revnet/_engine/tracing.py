@@ -102,9 +102,11 @@ def inline_jits(jaxpr: Any) -> Any:
             return env[a]
 
         for ie in inner.eqns:
-            # Equations of library code (``jnp.sort``) carry only library frames:
+            # Equations of JAX's code (``jnp.sort``) carry only JAX's frames:
             # they are attributed to the user's call of the inlined function.
-            info = ie.source_info if jx.where(ie) else e.source_info
+            # Those of another package keep their own, which name its line.
+            own = jx.where(ie) or jx.library_where(ie)
+            info = ie.source_info if own else e.source_info
             eqns.append(
                 ie.replace(
                     invars=[rename(a) for a in ie.invars],

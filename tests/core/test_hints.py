@@ -9,6 +9,8 @@ hint.
 
 from __future__ import annotations
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -204,3 +206,110 @@ def test_every_hint_is_one_try_line():
         assert hint.startswith("try: ") and "\n" not in hint, kind
     with pytest.raises(ValueError, match="unknown hint 'other'"):
         errors.refusal("a reason", hint="other")
+
+
+# --------------------------------------------------------------------------- #
+# Time-steppers: a library's periodic wrap, a leaf the step overwrites.
+
+_PACKAGE = """
+import jax
+import jax.numpy as jnp
+
+
+@jax.jit
+def periodic_shift(x, dx):
+    return jnp.remainder(x + dx, 4.0)
+
+
+def free_shift(x, dx):
+    return x + dx
+"""
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A module in an installed package's folder (as jax-md's ``space``)."""
+    import importlib
+    import sys
+
+    from revnet._engine.jaxpr import source
+
+    (tmp_path / "simpkg").mkdir()
+    (tmp_path / "simpkg" / "__init__.py").write_text("")
+    (tmp_path / "simpkg" / "space.py").write_text(_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(source, "_PACKAGE_DIRS", (str(tmp_path) + "/",))
+    yield importlib.import_module("simpkg.space")
+    sys.modules.pop("simpkg.space", None)
+    sys.modules.pop("simpkg", None)
+
+
+def _drift_loss(shift, steps=5, scan=None):
+    def loss(x, v):
+        def step(c, _):
+            x, v = c
+            v = v - 0.1 * jnp.sin(x)
+            return (shift(x, 0.1 * v), v), None
+
+        if scan is None:  # revnet's, inverting
+            (x, v), _ = revnet.scan(step, (x, v), None, length=steps, mode="invert")
+        else:
+            (x, v), _ = scan(step, (x, v), None, length=steps)
+        return jnp.sum(jnp.cos(x)) + jnp.sum(v * v)
+
+    return loss
+
+
+def test_a_periodic_wrap_in_a_library_names_its_line_and_the_users(package):
+    x, v = jnp.linspace(0.5, 3.0, 4), jnp.ones(4)
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        jax.grad(_drift_loss(package.periodic_shift))(x, v)
+    first, hint = _lines(info.value)
+    at = f"cannot solve `rem` at {package.__file__}:8 (periodic_shift), called from "
+    assert f"{at}{__file__}:" in first, first
+    _assert_hint([first, hint], "unwrapped coordinates", "free()")
+    # Followed: the unwrapped step inverts, with plain autodiff's gradients.
+    got = jax.grad(_drift_loss(package.free_shift), (0, 1))(x, v)
+    want = jax.grad(_drift_loss(package.free_shift, scan=jax.lax.scan), (0, 1))(x, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+def _verlet(force, dt=0.05):
+    def step(state, _):
+        x, v, f = state  # f: the force at x, carried from the last step
+        v = v + 0.5 * dt * f
+        x = x + dt * v
+        f = force(x)  # overwritten
+        return (x, v + 0.5 * dt * f, f), None
+
+    return step
+
+
+def test_a_leaf_the_step_overwrites_is_named_and_the_rewrite_inverts():
+    def force(x):
+        return -jnp.sin(x)
+
+    x0 = jnp.linspace(-1.0, 1.0, 3)
+    state = (x0, jnp.zeros(3), force(x0))
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.scan(_verlet(force), state, None, length=4, mode="invert")
+    first, hint = _lines(info.value)
+    _assert_hint([first, hint], "overwrites input init[2]", "start of the step")
+    assert "init[0]" not in hint and "init[1]" not in hint, hint
+
+    # Followed: the force is computed at the start of the step, not carried.
+    def rewritten(state, _):
+        x, v = state
+        (x, v, _), ys = _verlet(force)((x, v, force(x)), None)
+        return (x, v), ys
+
+    def loss(scan, x, v):
+        (x, v), _ = scan(rewritten, (x, v), None, length=4)
+        return jnp.sum(x * x) + jnp.sum(jnp.sin(v))
+
+    def inverted(*a, **k):
+        return revnet.scan(*a, **k, mode="invert")
+
+    got = jax.grad(functools.partial(loss, inverted), (0, 1))(x0, x0)
+    want = jax.grad(functools.partial(loss, jax.lax.scan), (0, 1))(x0, x0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)

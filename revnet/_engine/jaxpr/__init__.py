@@ -100,7 +100,7 @@ from revnet._engine.jaxpr.sharded import (
     shard_map_params,
     within_shard_map,
 )
-from revnet._engine.jaxpr.source import caller_site, site_line, where
+from revnet._engine.jaxpr.source import caller_site, library_where, site_line, where
 
 __all__ = [
     "HI_CALL",
@@ -168,6 +168,7 @@ __all__ = [
     "tag",
     "tag_kind",
     "tag_of",
+    "library_where",
     "site_line",
     "where",
     "while_bodies",

@@ -21,7 +21,7 @@ from revnet._engine.jaxpr.atoms import (
     struct,
 )
 from revnet._engine.jaxpr.bodies import Body
-from revnet._engine.jaxpr.source import where
+from revnet._engine.jaxpr.source import library_where, where
 
 
 def with_outputs(jaxpr: Jaxpr, outvars: Sequence[Any], eqns=None) -> Jaxpr:
@@ -157,5 +157,7 @@ def inline_body(
     consts = [Literal(c, v.aval) for v, c in zip(body.jaxpr.invars, body.consts)]
     env: dict = dict(zip(body.jaxpr.invars, [*consts, *atoms]))
     return _renamed(
-        body.jaxpr, env, lambda e: e.source_info if where(e) else source_info
+        body.jaxpr,
+        env,
+        lambda e: e.source_info if where(e) or library_where(e) else source_info,
     )

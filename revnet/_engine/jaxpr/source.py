@@ -1,11 +1,20 @@
-"""The user's source line of an equation, past library frames."""
+"""The user's source line of an equation, past library frames.
+
+Frames inside JAX, revnet and Haiku are never the user's. Frames inside other
+installed packages (``site-packages``: jax-md, diffrax, equinox) are the
+*library's*: :func:`where` names the user's line that called into them, and
+:func:`library_where` the innermost line inside them, where the equation was
+made.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import site
 import sys
+import sysconfig
 
 import jax
 
@@ -33,17 +42,62 @@ def _library_dirs() -> tuple[str, ...]:
     spec = importlib.util.find_spec("haiku")
     if spec is not None and spec.origin:
         dirs.append(os.path.dirname(spec.origin))
-    return tuple(dirs)
+    # With the separator: jax-md's folder, ``jax_md``, is not inside ``jax``.
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The folders installed packages live in: frames there are a library's."""
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    dirs.update(getattr(site, "getsitepackages", lambda: [])())
+    user = getattr(site, "getusersitepackages", lambda: None)()
+    if isinstance(user, str):
+        dirs.add(user)
+    mine = os.path.join(_REVNET_DIR, "")
+    return tuple(
+        d
+        for d in (os.path.join(os.path.abspath(p), "") for p in dirs)
+        if not mine.startswith(d)  # an installed revnet's own tests are user code
+    )
 
 
 _LIBRARY_DIRS = _library_dirs()
+_PACKAGE_DIRS = _package_dirs()
+
+
+def _frames(eqn: JaxprEqn) -> list[tuple[str, str]]:
+    """``(path, "file:line (function)")`` of ``eqn``'s frames outside JAX,
+    revnet and Haiku, innermost first."""
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", ())
+    out = []
+    for f in frames or ():
+        path = os.path.abspath(f.file_name)
+        if not path.startswith(_LIBRARY_DIRS):
+            out.append((path, f"{f.file_name}:{f.line_num} ({f.function_name})"))
+    return out
+
+
+def library_where(eqn: JaxprEqn) -> str:
+    """The innermost line of ``eqn`` inside an installed package other than
+    JAX, revnet and Haiku (``jax_md/space.py:110 (periodic_shift)``), or ``""``
+    when it was made in the user's own code."""
+    try:
+        frames = _frames(eqn)
+    except Exception:  # pragma: no cover - defensive: never fail an error message
+        return ""
+    if frames and frames[0][0].startswith(_PACKAGE_DIRS):
+        return frames[0][1]
+    return ""
 
 
 def where(eqn: JaxprEqn) -> str:
-    """The user's source line of ``eqn``, or ``""`` when it has only library frames.
+    """The user's source line of ``eqn``, or ``""`` when it has only library
+    frames.
 
     Frames inside JAX, revnet and Haiku (a module's method interception) are
-    skipped, so an equation made inside a Haiku module names the user's line.
+    skipped, so an equation made inside a Haiku module names the user's line;
+    so are those in other installed packages while a user's frame calls them
+    (:func:`library_where` names the package's line).
     """
     if _siu is None:  # pragma: no cover
         return ""
@@ -51,24 +105,33 @@ def where(eqn: JaxprEqn) -> str:
         summary = _siu.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - defensive: never fail an error message
         return ""
-    if summary and not summary.startswith(_LIBRARY_DIRS):
-        return summary
-    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", ())
-    for f in frames:  # innermost first
-        if not os.path.abspath(f.file_name).startswith(_LIBRARY_DIRS):
-            return f"{f.file_name}:{f.line_num} ({f.function_name})"
+    try:
+        frames = _frames(eqn)
+    except Exception:  # pragma: no cover
+        frames = []
+    if summary and not summary.startswith(_LIBRARY_DIRS + _PACKAGE_DIRS):
+        return summary  # JAX's own summary, with its column
+    for path, text in frames:  # innermost first: past installed packages
+        if not path.startswith(_PACKAGE_DIRS):
+            return text
+    # Only library frames: inside a package's own ``jit``, whose equations'
+    # frames end at that function; the call around it has the user's line.
     return ""
 
 
 def caller_site() -> str:
-    """``file:line (function)`` of the innermost frame outside revnet and JAX."""
-    frame = sys._getframe(1)
+    """``file:line (function)`` of the innermost frame outside revnet and JAX
+    (and, where the user's own code calls them, installed packages)."""
+    frame, first = sys._getframe(1), ""
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(_LIBRARY_DIRS):
-            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+            text = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if not path.startswith(_PACKAGE_DIRS):
+                return text
+            first = first or text
         frame = frame.f_back
-    return ""
+    return first
 
 
 _LINE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?::\d+)? \(")

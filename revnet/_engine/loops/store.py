@@ -65,6 +65,24 @@ def stored_set(
     return stored
 
 
+def lost_leaves(jaxpr: Any, carry: Sequence[int], unknown: Sequence[int]) -> list[int]:
+    """The carry leaves (indices into ``carry``) whose old value no output of
+    ``jaxpr`` determines, when the others are rebuilt once those are given: a
+    leaf the step overwrites, such as a force recomputed from new positions.
+    Empty when giving leaves back does not make the rest invertible."""
+    known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
+    stored = stored_set(jaxpr, known_in, carry, unknown)
+    if len(stored) == len(carry):
+        return []
+    try:
+        analysis.analyze(
+            jaxpr, known_with(known_in, stored), (True,) * len(jaxpr.outvars)
+        )
+    except Stuck:
+        return []
+    return [k for k, n in enumerate(carry) if n in stored]
+
+
 def known_with(known_in: Sequence[bool], extra: set[int]) -> tuple[bool, ...]:
     """``known_in`` with the inputs ``extra`` known too."""
     return tuple(k or n in extra for n, k in enumerate(known_in))
