@@ -34,6 +34,7 @@ from revnet._engine import (
     struct,
     trace,
     trace_program,
+    visible_damping,
 )
 from revnet._loop_options import SCAN, WHILE, Options
 
@@ -244,6 +245,23 @@ def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
     return body.jaxpr, chosen, ()
 
 
+def armed(options: Options, body: TracedBody, jaxpr: Any, mode: Any) -> Options:
+    """``options``, with the boundary check armed for this loop (a warning)
+    when ``mode="auto"`` chose to invert a body that divides by a factor of
+    modulus below 1 known at trace time while the check is off."""
+    if (
+        options.mode != choose.AUTO
+        or mode.kind != choose.INVERT
+        or boundary.active()
+        or visible_damping(jaxpr, mode.plan, body.consts) is None
+    ):
+        return options
+    every = options.anchor_every
+    if every is None:
+        every = INT32_MAX if options.bound is None else max(options.bound, 1)
+    return dataclasses.replace(options, anchor_every=every, check="warn")
+
+
 def reporter(options: Options, body: TracedBody) -> Any:
     """The drift report of ``revnet.{loop}({body})``: the boundary check
     (:mod:`revnet._engine.boundary`) and the monitor's, or None without
@@ -253,7 +271,8 @@ def reporter(options: Options, body: TracedBody) -> Any:
     if every is None or every >= (INT32_MAX if bound is None else bound):
         every = None  # the initial carry only: no anchors of the user's
     monitor = None if options.drift is None else options.drift.reporter(source)
-    return boundary.chained(boundary.reporter(source, body.carry, every), monitor)
+    check = boundary.reporter(source, body.carry, every, mode=options.check)
+    return boundary.chained(check, monitor)
 
 
 def call(loop: str, run: Callable[..., Any], *args: Any) -> Any:

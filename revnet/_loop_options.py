@@ -67,6 +67,8 @@ class Options:
     ``anchor_every`` the anchor interval (the whole loop when only ``drift``
     asks for anchors). A scan's ``xs`` are arrays, with their ``x_tree``, and
     ``again`` holds its keyword options, to make it again under ``jax.vmap``.
+    ``check`` is the boundary check's mode for this loop when it is not the
+    setting's (armed against damping: :func:`revnet._loop_common.armed`).
     """
 
     loop: str
@@ -82,6 +84,7 @@ class Options:
     xs: list = dataclasses.field(default_factory=list)
     x_tree: Any = None
     again: dict = dataclasses.field(default_factory=dict)
+    check: str | None = None
 
 
 def _positive(where: str, arg: str, value: Any, minimum: int = 1) -> int | None:

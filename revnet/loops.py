@@ -171,6 +171,7 @@ def while_loop(
     body = common.traced_body(body_fun, "body_fun", init_val, "init_val", o)
     cond_jaxpr, cond_consts = common.traced_cond(cond_fun, body)
     jaxpr, chosen, decided = common.backward_mode(body, o)
+    o = common.armed(o, body, jaxpr, chosen)
     report = common.reporter(o, body)
     run = while_function(
         jaxpr,
@@ -294,6 +295,7 @@ def scan(
     o = loop_options.scan_options(f, xs, length, reverse, unroll, shared)
     body = common.traced_body(f, "f", init, "init", o)
     jaxpr, chosen, decided = common.backward_mode(body, o)
+    o = common.armed(o, body, jaxpr, chosen)
     sp = ScanParams(Body(jaxpr, ()), body.nk, body.nc, o.bound, o.reverse, o.unroll)
     run = scan_function(
         sp, chosen, o.slots, o.anchor_every, common.reporter(o, body), decided

@@ -58,6 +58,7 @@ from revnet._engine.interpreter import Interpreter
 from revnet._engine.jaxpr import Body, ScanParams, aval, eval_body, row, struct, tag
 from revnet._engine.loops import choose, revolve, scan_function, while_function
 from revnet._engine.loops.batched import scan_call
+from revnet._engine.loops.damping import visible_damping
 from revnet._engine.loops.revolve import INT32_MAX
 from revnet._engine.loops.store import lost_leaves
 from revnet._engine.plan import Plan
@@ -105,6 +106,7 @@ __all__ = [
     "known_args",
     "leaf_paths",
     "lost_leaves",
+    "visible_damping",
     "log_det",
     "choose",
     "not_invertible",

@@ -109,13 +109,21 @@ def _at_least_f32(dtype: Any) -> Any:
     return dtype if np.dtype(dtype).itemsize >= 4 else np.dtype(np.float32)
 
 
-def reporter(source: str, values: Sequence[Any], every: int | None = None):
+def reporter(
+    source: str,
+    values: Sequence[Any],
+    every: int | None = None,
+    *,
+    mode: str | None = None,
+):
     """The function ``report(drift, used)`` a backward pass of ``source``
     sends the relative error at its anchors to (anchor ``j`` is the carry
     before step ``j * every``; the first is its input), or None when the
     check is off. ``values``: the carry's leaves (their dtypes set the
-    tolerance); ``every``: the loop's own anchor spacing, or None."""
-    mode = _SETTING[0]
+    tolerance); ``every``: the loop's own anchor spacing, or None; ``mode``:
+    the check's mode for this loop, if not the setting's."""
+    armed = mode is not None and _SETTING[0] == "off"
+    mode = mode or _SETTING[0]
     if mode == "off":
         return None
     tol = tolerance(values)
@@ -137,7 +145,7 @@ def reporter(source: str, values: Sequence[Any], every: int | None = None):
         last = int(np.flatnonzero(bad)[-1])
         worst = float(np.max(np.where(np.isfinite(drift), drift, np.inf)))
         step = None if every is None or drift.size < 2 else last * every
-        message = _message(source, worst, tol, step)
+        message = _message(source, worst, tol, step, armed)
         if mode == "raise":
             raise DriftError(message)
         warnings.warn_explicit(message, DriftWarning, *jx.site_line(site))
@@ -158,7 +166,9 @@ def chained(*reports: Any) -> Any:
     return report
 
 
-def _message(source: str, worst: float, tol: float, step: int | None) -> str:
+def _message(
+    source: str, worst: float, tol: float, step: int | None, armed: bool = False
+) -> str:
     where = "" if step is None else f" (first past it at the anchor before step {step})"
     more = "anchors (anchor_every=k)" if step is None else "a smaller anchor_every"
     return (
@@ -167,7 +177,13 @@ def _message(source: str, worst: float, tol: float, step: int | None) -> str:
         f"wrong; likely cause: a step that is not stably invertible (it divides by "
         f"a factor of modulus below 1, as damping or an absorbing boundary does, "
         f"or it is chaotic); try: {more}, exact mode (revnet.exact), or "
-        f"mode='checkpoint' (revnet.set_boundary_check('off') silences this)"
+        + (
+            "mode='checkpoint' (checked although the check is off: mode='auto' "
+            "inverted a step that divides by a factor below 1; mode='invert' "
+            "inverts it unchecked)"
+            if armed
+            else "mode='checkpoint' (revnet.set_boundary_check('off') silences this)"
+        )
     )
 
 

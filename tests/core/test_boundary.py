@@ -118,7 +118,9 @@ def test_a_damped_step_warns_in_one_line_by_default(kind, dtype):
     assert len(found) == 1, found
     (message,) = found
     assert "\n" not in message
-    assert message.startswith(f"revnet: {name} rebuilt its input"), message
+    # It names the call and the user's line of it.
+    assert message.startswith(f"revnet: {name} at {__file__}:"), message
+    assert ") rebuilt its input with relative error" in message, message
     for words in ("relative error", "modulus below 1", "anchor_every", "checkpoint"):
         assert words in message, (words, message)
 
@@ -149,6 +151,46 @@ def test_raise_and_off():
     assert not found
     with pytest.raises(ValueError, match="set_boundary_check: mode must be one of"):
         revnet.set_boundary_check("loud")
+
+
+def test_raise_eagerly_is_revnets_own_one_line_error():
+    """Without ``jit`` the backward pass's check raises :class:`DriftError`
+    itself, not a backend's callback error around it."""
+    x, w = jnp.ones(4), jnp.full((120,), 0.3)
+    with boundary_check("raise"):
+        with pytest.raises(revnet.DriftError) as info:
+            jax.grad(_scan_loss(_damped))(w, x)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("revnet: revnet.scan(_damped) at ")
+
+
+def _auto_loss(step, factor):
+    def loss(w, x):
+        def damped(c, w):
+            a, b = c
+            a = a + jnp.tanh(b * w)
+            return (a, factor * b + a), None
+
+        (a, b), _ = revnet.scan(damped, (x, x), w, mode="auto")
+        return jnp.sum(a**2 + b**2)
+
+    return loss
+
+
+@pytest.mark.parametrize("closed_over", [False, True])
+def test_auto_arms_the_check_for_damping_visible_at_trace_time(closed_over):
+    """With the check off, ``mode="auto"`` still checks a step it inverts
+    that divides by a known factor below 1 (a literal, or an array the body
+    closes over); an explicit ``mode="invert"`` does as the user set."""
+    x, w = jnp.ones(4), jnp.full((120,), 0.3)
+    factor = np.full(4, 0.5, np.float32) if closed_over else 0.5
+    with boundary_check("off"):
+        _, found = _warnings(_auto_loss(_damped, factor), w, x)
+        _, quiet = _warnings(_scan_loss(_damped), w, x)
+        # An amplifying factor is inverted stably: not armed.
+        _, stable = _warnings(_auto_loss(_damped, 2.0), jnp.full((8,), 0.3), x)
+    assert len(found) == 1 and "checked although the check is off" in found[0]
+    assert not quiet and not stable
 
 
 def test_with_anchors_the_message_names_the_first_anchor_past_the_tolerance():
