@@ -36,8 +36,16 @@ $(STAMP_TEST): setup.cfg pyproject.toml | $(PY)
 # The front doors' frameworks come with the experiments extra, so that `make
 # test` and CI run their tests; without Flax or Equinox those tests skip,
 # naming the extra.
+# With the oldest JAX, the simulation extra too (jax-md, fdtdx, diffrax): the
+# simulation examples' and peers' tests run there, and skip, naming the extra,
+# where it is absent.
+ifeq ($(JAX),oldest)
+EXP_EXTRAS := test,experiments,haiku,nnx,equinox,docs,simulation
+else
+EXP_EXTRAS := test,experiments,haiku,nnx,equinox,docs
+endif
 $(STAMP_EXP): setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,experiments,haiku,nnx,equinox,docs]' $(JAX_REQ)
+	$(PY) -m pip install -q -e '.[$(EXP_EXTRAS)]' $(JAX_REQ)
 	touch $@
 
 # Headless Chromium (Debian's package) for the slow tier's test that opens the

@@ -228,17 +228,16 @@ def free_shift(x, dx):
 
 @pytest.fixture
 def package(tmp_path, monkeypatch):
-    """A module in an installed package's folder (as jax-md's ``space``)."""
+    """A module of a package installed in a ``site-packages`` folder (as
+    jax-md's ``space``)."""
     import importlib
     import sys
 
-    from revnet._engine.jaxpr import source
-
-    (tmp_path / "simpkg").mkdir()
-    (tmp_path / "simpkg" / "__init__.py").write_text("")
-    (tmp_path / "simpkg" / "space.py").write_text(_PACKAGE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(source, "_PACKAGE_DIRS", (str(tmp_path) + "/",))
+    site = tmp_path / "site-packages"
+    (site / "simpkg").mkdir(parents=True)
+    (site / "simpkg" / "__init__.py").write_text("")
+    (site / "simpkg" / "space.py").write_text(_PACKAGE)
+    monkeypatch.syspath_prepend(str(site))
     yield importlib.import_module("simpkg.space")
     sys.modules.pop("simpkg.space", None)
     sys.modules.pop("simpkg", None)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import site
 import sys
-import sysconfig
 
 import jax
 
@@ -46,23 +44,21 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(d, "") for d in dirs)
 
 
-def _package_dirs() -> tuple[str, ...]:
-    """The folders installed packages live in: frames there are a library's."""
-    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    dirs.update(getattr(site, "getsitepackages", lambda: [])())
-    user = getattr(site, "getusersitepackages", lambda: None)()
-    if isinstance(user, str):
-        dirs.add(user)
-    mine = os.path.join(_REVNET_DIR, "")
-    return tuple(
-        d
-        for d in (os.path.join(os.path.abspath(p), "") for p in dirs)
-        if not mine.startswith(d)  # an installed revnet's own tests are user code
+# The folders installed packages live in: frames there are a library's.
+_PACKAGE_FOLDERS = tuple(
+    os.sep + name + os.sep for name in ("site-packages", "dist-packages")
+)
+
+
+def _in_package(path: str) -> bool:
+    """Whether ``path`` is inside an installed package (not revnet's own
+    folder, which may be installed too)."""
+    return any(f in path for f in _PACKAGE_FOLDERS) and not path.startswith(
+        _LIBRARY_DIRS
     )
 
 
 _LIBRARY_DIRS = _library_dirs()
-_PACKAGE_DIRS = _package_dirs()
 
 
 def _frames(eqn: JaxprEqn) -> list[tuple[str, str]]:
@@ -85,7 +81,7 @@ def library_where(eqn: JaxprEqn) -> str:
         frames = _frames(eqn)
     except Exception:  # pragma: no cover - defensive: never fail an error message
         return ""
-    if frames and frames[0][0].startswith(_PACKAGE_DIRS):
+    if frames and _in_package(frames[0][0]):
         return frames[0][1]
     return ""
 
@@ -109,10 +105,10 @@ def where(eqn: JaxprEqn) -> str:
         frames = _frames(eqn)
     except Exception:  # pragma: no cover
         frames = []
-    if summary and not summary.startswith(_LIBRARY_DIRS + _PACKAGE_DIRS):
+    if summary and not summary.startswith(_LIBRARY_DIRS) and not _in_package(summary):
         return summary  # JAX's own summary, with its column
     for path, text in frames:  # innermost first: past installed packages
-        if not path.startswith(_PACKAGE_DIRS):
+        if not _in_package(path):
             return text
     # Only library frames: inside a package's own ``jit``, whose equations'
     # frames end at that function; the call around it has the user's line.
@@ -127,7 +123,7 @@ def caller_site() -> str:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(_LIBRARY_DIRS):
             text = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
-            if not path.startswith(_PACKAGE_DIRS):
+            if not _in_package(path):
                 return text
             first = first or text
         frame = frame.f_back
