@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from revnet._engine import runtime_checks
@@ -112,20 +113,26 @@ def restore(
 
 
 def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
-    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0)."""
-    pairs = [
-        (jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), y)
-        for x, y in zip(a, b)
-        if is_float(x)
-    ]
+    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0).
+
+    No dtype is promoted (the loop may run under strict promotion): each leaf
+    in its own dtype, at least float32, and the sums in the widest of them.
+    """
+    pairs = [(jnp.asarray(x), y) for x, y in zip(a, b) if is_float(x)]
     if not pairs:
         return jnp.float32(0.0)
-    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))) for x, y in pairs)
-    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))) for x, y in pairs)
+    pairs = [(x.astype(_at_least_f32(x.dtype)), y) for x, y in pairs]
+    wide = max((x.dtype for x, _ in pairs), key=lambda d: np.dtype(d).itemsize)
+    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))).astype(wide) for x, y in pairs)
+    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))).astype(wide) for x, y in pairs)
     value = jnp.where(
         den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
     )
     return value.astype(jnp.float32)
+
+
+def _at_least_f32(dtype: Any) -> Any:
+    return dtype if np.dtype(dtype).itemsize >= 4 else np.dtype(np.float32)
 
 
 def start(anchors: Anchors, slots: int) -> Any:
