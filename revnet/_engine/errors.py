@@ -307,8 +307,10 @@ def degenerate(eqn: Any) -> str:
     why = _DEGENERATE.get(
         name,
         " (a zero factor, a singular matrix, a saturated tanh/logistic, a dropout "
-        "mask on the stream): these values cannot be rebuilt; use ordinary "
-        "backprop for this part",
+        "mask on the stream, or a damping factor of modulus below 1 divided by at "
+        "every reversed step until the values overflow): these values cannot be "
+        "rebuilt; use ordinary backprop for this part (mode='checkpoint' in a "
+        "loop), or anchors",
     )
     return (
         f"the inverse of `{name}`{at} gave a non-finite value from finite values{why}"
