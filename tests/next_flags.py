@@ -121,7 +121,7 @@ def pytest_runtest_setup(item):
     if item.get_closest_marker("lax_reverse_scan_reference") and flags_on():
         if reverse_scan_is_wrong():
             pytest.skip(
-                f"plain JAX is wrong under {'+'.join(flags_on())}: "
+                f"plain JAX {jax.__version__} is wrong under {'+'.join(flags_on())}: "
                 "lax.scan(reverse=True) runs forwards (Scan3 ignores reverse)"
             )
 
@@ -141,5 +141,5 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = (
         str(path),
         (line or 0) + 1,
-        f"Skipped: plain JAX fails under {'+'.join(on)}: {reason}",
+        f"Skipped: plain JAX {jax.__version__} fails under {'+'.join(on)}: {reason}",
     )

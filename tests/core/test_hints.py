@@ -312,3 +312,26 @@ def test_a_leaf_the_step_overwrites_is_named_and_the_rewrite_inverts():
     got = jax.grad(functools.partial(loss, inverted), (0, 1))(x0, x0)
     want = jax.grad(functools.partial(loss, jax.lax.scan), (0, 1))(x0, x0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+def test_a_damped_step_that_overflows_names_damping_with_run_time_checks():
+    """A loop step that multiplies part of its carry by 1e-3 is undone by
+    dividing by it at every reversed step, until the rebuilt values overflow;
+    the run-time check's message names that cause and what to do."""
+
+    def step(c, w):
+        a, b = c
+        a = a + jnp.tanh(b * w)
+        return (a, 1e-3 * b + a), None
+
+    def loss(w, x):
+        (a, b), _ = revnet.scan(step, (x, x), w, mode="invert")
+        return jnp.sum(a**2 + b**2)
+
+    with runtime_checks(True), pytest.raises(revnet.NotInvertibleError) as info:
+        jax.grad(loss)(jnp.full((40,), 0.3), jnp.ones(4))
+    message = str(info.value)
+    assert "\n" not in message
+    assert "the inverse of `mul`" in message and "<locals>.step)" in message, message
+    assert "damping factor of modulus below 1" in message, message
+    assert "mode='checkpoint'" in message, message

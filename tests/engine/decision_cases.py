@@ -1,4 +1,4 @@
-"""Decision and kink cases of issue 29, on inputs with exact ties.
+"""Decision and kink cases on inputs with exact ties.
 
 Each case is the F of an additive coupling stack, ``a = a + F(b @ wf, p) / 2``,
 ``b = b + F(a @ wg, p) / 2``, scanned over stacked per-layer weights with

@@ -1,4 +1,4 @@
-"""Issue 29, "Must hold": every jump stored wherever it hides, kinks stored
+"""Decisions at exact ties: every jump stored wherever it hides, kinks stored
 exactly with ``kinks="store"``, no continuous select stored.
 
 The programs and their tied inputs are in ``tests/engine/decision_cases.py``: F of a

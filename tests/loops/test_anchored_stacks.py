@@ -240,8 +240,14 @@ def test_anchors_and_drift_need_a_single_block_fn():
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.optimized
 def test_drift_monitor_reads_the_true_reconstruction_error():
-    """The backward pass's readings equal segment-wise inversions, within 10%."""
+    """The backward pass's readings equal segment-wise inversions, within 10%.
+
+    Both are float32 rounding of two XLA programs, compiled as users compile
+    them: with XLA's optimisations off, jax 0.12's XLA rounds the stacked
+    backward pass and the segments differently (readings up to 5x apart at
+    1e-6), while with them on the two agree exactly under 0.10 and 0.12."""
     args = _args()
     x, c = _inputs(args)
     monitor = revnet.DriftMonitor()

@@ -278,11 +278,17 @@ def test_anchor_memory_grows_by_one_carry_per_anchor():
     plain = _temp(256, None) - _temp(64, None)
     assert plain == 192 * 32 * 4, plain
     assert plain < carry
-    # Anchors add one carry each: 48 more (16 -> 64 with every 4), 6 with 32,
-    # and the boundary check one float32 drift reading each.
-    reading = 4
-    assert _temp(256, 4) - _temp(64, 4) - plain == 48 * (carry + reading)
-    assert _temp(256, 32) - _temp(64, 32) - plain == 6 * (carry + reading)
+
+    # Anchors add one carry each: 48 more (16 -> 64 with every 4), 6 with 32;
+    # and the boundary check one float32 drift reading each, in one buffer
+    # (XLA's buffers on CPU are 64-byte aligned).
+    def readings(n):
+        return -(-4 * n // 64) * 64
+
+    growth = readings(64) - readings(16)  # 192
+    assert _temp(256, 4) - _temp(64, 4) - plain == 48 * carry + growth
+    growth = readings(8) - readings(2)  # 0: both fit in 64 bytes
+    assert _temp(256, 32) - _temp(64, 32) - plain == 6 * carry + growth
     with boundary_check("off"):
         assert _temp(256, 4) - _temp(64, 4) - plain == 48 * carry
 
@@ -491,3 +497,32 @@ def test_while_loop_anchor_every_needs_max_steps():
     w, b = _weights(jnp.float32, n=1)
     with pytest.raises(ValueError, match="^while_loop: anchor_every needs max_steps"):
         _while_loss(w[0], b, _carry(jnp.float32), 3, anchor_every=2)
+
+
+def test_a_monitor_reads_a_carry_of_mixed_dtypes_under_strict_promotion():
+    """A float64 stream beside a weakly typed Python scalar (0.0) in the
+    carry: the drift is measured without promoting one dtype to the other,
+    which ``jax.numpy_dtype_promotion("strict")`` forbids."""
+    monitor = revnet.DriftMonitor()
+
+    def body(c):
+        i, h, s = c
+        return i + 1, h + jnp.tanh(s * 0.5), s + 0.25
+
+    def run(h):
+        _, h, s = revnet.while_loop(
+            lambda c: c[0] < 3, body, (0, h, 0.0), max_steps=5, mode="invert",
+            drift=monitor,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(h)) + s
+
+    def plain(h):
+        _, h, s = lax.fori_loop(0, 3, lambda _, c: body(c), (0, h, 0.0))
+        return jnp.sum(jnp.sin(h)) + s
+
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        h = jnp.linspace(-0.5, 0.5, 3)
+        got = jax.grad(run)(h)
+        jax.effects_barrier()
+        assert_trees_close(got, jax.grad(plain)(h), tolerance(jnp.float64))
+    assert monitor.latest is not None and monitor.max() < 1e-12, monitor.latest

@@ -55,7 +55,9 @@ def plain_grad_or_skip(loss, args, why: str):
     try:
         return jax.grad(loss, argnums=tuple(range(len(args))))(*args)
     except NotImplementedError as e:
-        pytest.skip(f"plain JAX fails under {why}: {str(e).splitlines()[0]}")
+        pytest.skip(
+            f"plain JAX {jax.__version__} fails under {why}: {str(e).splitlines()[0]}"
+        )
 
 
 def normal(seed, shape, dtype):

@@ -578,12 +578,12 @@ _CONTEXT_NEEDS = {"alone": (), "in_where": ("select_n",), "in_scan": ("scan",)}
 # Slices put back in place: a ``select_n`` case is followed back only through
 # equations that keep every position where it is (elementwise ones, calls and
 # scans whose bodies are such, nested selects); a ``concatenate`` of pieces
-# cut from one value by ``slice``/``split`` is not followed (issue 9).
+# cut from one value by ``slice``/``split`` is not followed.
 _SELECT_DEFECT = pytest.mark.xfail(
     strict=True,
     raises=revnet.NotInvertibleError,
     reason="known limitation: select_n does not follow a case through slices "
-    "of one value concatenated back in place (issue 9)",
+    "of one value concatenated back in place",
 )
 _KNOWN_DEFECTS = {
     ("slices_concatenate", "in_where"): _SELECT_DEFECT,

@@ -56,11 +56,12 @@ def nested_jaxpr(p: Any) -> tuple[Jaxpr, tuple] | None:
 
 
 def closed_consts(j: Any) -> tuple:
-    """The constants of the (closed) jaxpr ``j``: values, then constvars."""
+    """The constants of the (closed) jaxpr ``j``: their values, or the
+    constvars of an open jaxpr that has no values for them."""
     if not isinstance(j, (jex_core.ClosedJaxpr, Jaxpr)):
         return ()
     jaxpr, consts = split_closed(j)
-    return consts + (() if consts else tuple(jaxpr.constvars))
+    return consts or tuple(jaxpr.constvars)
 
 
 _BODIES: dict = {}

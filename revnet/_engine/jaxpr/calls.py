@@ -28,16 +28,16 @@ _CALL_BODY_PARAM = {
 }
 _CUSTOM_VJP_NAMES = ("custom_vjp_call", "custom_vjp_call_jaxpr")
 JIT_NAMES = ("jit", "pjit")  # the name before jax 0.7
-# Calls that mean nothing but their body (no derivative rule of their own), with
-# the param holding it: jit, and JAX 0.11's eval_jaxpr (jnp.searchsorted's
-# inner call there).
-_PLAIN_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "eval_jaxpr": "call_jaxpr"}
+# Calls that mean nothing but their body (no derivative rule of their own): jit,
+# and JAX 0.11's eval_jaxpr (jnp.searchsorted's inner call there).
+_PLAIN_CALLS = (*JIT_NAMES, "eval_jaxpr")
 
 
 def plain_call_jaxpr(eqn: JaxprEqn) -> Any:
     """The (closed) body of a call that means only its body, or None."""
-    param = _PLAIN_CALLS.get(eqn.primitive.name)
-    return None if param is None else eqn.params.get(param)
+    if eqn.primitive.name not in _PLAIN_CALLS:
+        return None
+    return eqn.params.get(_CALL_BODY_PARAM[eqn.primitive.name])
 
 
 def call_body(eqn: JaxprEqn) -> Body | None:

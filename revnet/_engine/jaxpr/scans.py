@@ -22,7 +22,7 @@ from revnet._engine.jaxpr.atoms import Jaxpr, JaxprEqn
 from revnet._engine.jaxpr.bodies import Body, as_body, closed
 
 # Whether scan equations describe their inputs by flat trees (JAX >= 0.11).
-FLAT_TREES = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+FLAT_TREES = jax.__version_info__ >= (0, 11)
 
 
 def structure_params(n_consts: int, n_carry: int, n_xs: int, n_ys: int) -> dict:
@@ -93,10 +93,9 @@ def scan_with_body(
     """
     consts = as_body(eqn.params["jaxpr"]).consts
     params = {**eqn.params, "jaxpr": closed(body, n_consts, consts)}
-    if FLAT_TREES:
-        nk, nc = _counts(eqn.params)
-        n_xs = len(eqn.invars) - nk - nc + len(more_xs)
-        params.update(structure_params(nk, nc, n_xs, len(outvars) - nc))
+    nk, nc = _counts(eqn.params)
+    n_xs = len(eqn.invars) - nk - nc + len(more_xs)
+    params.update(structure_params(nk, nc, n_xs, len(outvars) - nc))
     if more_xs and "linear" in params:
         params["linear"] = (*params["linear"], *[False] * len(more_xs))
     return eqn.replace(
