@@ -188,7 +188,10 @@ class DriftMonitor:
         """The function a loop named ``source`` reports its drift to."""
 
         def report(drift: Any, used: Any) -> None:
-            self._record(source, np.asarray(drift)[: int(used)])
+            drift = np.asarray(drift)[: int(used)]
+            if drift.ndim == 2:  # a loop's readings: (pooled, by leaf)
+                drift = drift[:, 0]
+            self._record(source, drift)
 
         return report
 

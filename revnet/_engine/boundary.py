@@ -21,6 +21,7 @@ it: ``"warn"`` (the default), ``"raise"`` or ``"off"``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -88,8 +89,15 @@ def tolerance(values: Sequence[Any]) -> float:
     return math.sqrt(max(eps, default=float(jnp.finfo(jnp.float32).eps)))
 
 
-def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
-    """``|a - b| / |b|`` in L2 over the floating-point leaves (0 when ``b`` is 0)."""
+def norms(values: Sequence[Any]) -> list:
+    """The L2 norm of each floating-point leaf of ``values`` (float32 at
+    least): the scales :func:`relative_distance` may measure against."""
+    return [_norm(jnp.asarray(v)) for v in values if is_float(v)]
+
+
+def pooled_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
+    """``|a - b| / |b|`` in L2 over all the floating-point leaves together (0
+    when ``b`` is 0): what a :class:`revnet.DriftMonitor` reads."""
     # No dtype promotion (the caller may run under strict promotion): each
     # leaf in its own dtype, at least float32; the sums in the widest one.
     pairs = [(jnp.asarray(x), y) for x, y in zip(a, b) if is_float(x)]
@@ -103,6 +111,45 @@ def relative_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
         den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
     )
     return value.astype(jnp.float32)
+
+
+def relative_distance(
+    a: Sequence[Any], b: Sequence[Any], scale: Sequence[Any] | None = None
+) -> jax.Array:
+    """The largest relative L2 distance ``|a - b| / |b|`` over the
+    floating-point leaves, one by one: what the boundary check reads.
+
+    Each leaf is measured against its own size, so that a leaf of small values
+    (fields that start at zero) is not drowned by a large constant one: its
+    norm, or ``scale``'s (one norm per float leaf, :func:`norms`: a loop's
+    final carry) where larger. A leaf of size 0 is measured against the
+    largest size of all; all zero, the distance is absolute.
+    """
+    # No dtype promotion (the caller may run under strict promotion): each
+    # leaf in its own dtype, at least float32; the ratios in the widest one.
+    pairs = [(jnp.asarray(x), y) for x, y in zip(a, b) if is_float(x)]
+    if not pairs:
+        return jnp.float32(0.0)
+    pairs = [(x.astype(_at_least_f32(x.dtype)), y) for x, y in pairs]
+    wide = max((x.dtype for x, _ in pairs), key=lambda d: np.dtype(d).itemsize)
+    errors = [_norm(x - jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
+    sizes = [_norm(jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
+    if scale is not None:
+        sizes = [
+            jnp.maximum(s, jnp.asarray(t).astype(wide)) for s, t in zip(sizes, scale)
+        ]
+    largest = functools.reduce(jnp.maximum, sizes)
+    ratios = []
+    for e, s in zip(errors, sizes):
+        s = jnp.where(s > 0, s, largest)
+        ratios.append(jnp.where(s > 0, e / jnp.where(s > 0, s, 1), e))
+    return functools.reduce(jnp.maximum, ratios).astype(jnp.float32)
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """The L2 norm of ``x``, in its dtype (float32 at least)."""
+    x = x.astype(_at_least_f32(x.dtype))
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
 def _at_least_f32(dtype: Any) -> Any:
@@ -135,6 +182,8 @@ def reporter(
 
     def report(drift: Any, used: Any) -> None:
         drift = np.asarray(drift)[: int(used)]
+        if drift.ndim == 2:  # a loop's readings: (pooled, by leaf) at each anchor
+            drift = drift[:, 1]
         if drift.size == 0:
             return
         bad = ~(drift <= tol)  # non-finite drift counts as too large
@@ -193,6 +242,8 @@ __all__ = [
     "active",
     "boundary_check",
     "chained",
+    "norms",
+    "pooled_distance",
     "relative_distance",
     "reporter",
     "set_boundary_check",

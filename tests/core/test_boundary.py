@@ -193,6 +193,35 @@ def test_auto_arms_the_check_for_damping_visible_at_trace_time(closed_over):
     assert not quiet and not stable
 
 
+def test_small_fields_beside_a_large_constant_leaf_are_checked_leaf_by_leaf():
+    """Fields that start at zero, driven by a small source and damped, next
+    to a large leaf the step passes through (a material's permittivity): over
+    all leaves together the rebuilt fields' error is nothing beside that leaf,
+    but each leaf is measured against its own size at the loop's ends."""
+
+    def step(c, w):
+        a, b, eps = c
+        a = a + jnp.tanh(b * w) / eps[:4] + 1e-10
+        return (a, 0.5 * b + a, eps), None
+
+    def loss(scan):
+        def f(w, x):
+            (a, b, _), _ = scan(step, (0 * x, 0 * x, jnp.full(64, 1e3)), w)
+            return jnp.sum(a**2 + b**2)
+
+        return f
+
+    def inverted(*a):
+        return revnet.scan(*a, mode="invert")
+
+    x, w = jnp.ones(4), jnp.full((30,), 0.3)
+    g, found = _warnings(loss(inverted), w, x)
+    want = jax.grad(loss(jax.lax.scan))(w, x)
+    off = np.max(np.abs(g - want)) / np.max(np.abs(want))
+    assert off > 1e-2, off  # really wrong
+    assert len(found) == 1 and "rebuilt its input" in found[0], found
+
+
 def test_with_anchors_the_message_names_the_first_anchor_past_the_tolerance():
     """The backward pass runs from the end: the anchor past the tolerance that
     it meets first is the last one in step order (read here from a monitor

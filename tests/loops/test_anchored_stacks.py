@@ -123,9 +123,8 @@ def test_anchor_every_one_holds_one_activation_per_layer():
         return temps[1] - temps[0]
 
     assert growth(reversible=True) == 0
-    # One activation per layer, and the boundary check's drift reading (one
-    # float32) per anchor.
-    assert growth(reversible=True, anchor_every=1) == 48 * (activation + 4)
+    # One activation per layer, and two float32 drift readings per anchor.
+    assert growth(reversible=True, anchor_every=1) == 48 * (activation + 8)
     # Ordinary backprop's memory is of the same order: it grows with depth too.
     assert growth(reversible=False) >= 48 * activation
 

@@ -280,12 +280,12 @@ def test_anchor_memory_grows_by_one_carry_per_anchor():
     assert plain < carry
 
     # Anchors add one carry each: 48 more (16 -> 64 with every 4), 6 with 32;
-    # and the boundary check one float32 drift reading each, in one buffer
-    # (XLA's buffers on CPU are 64-byte aligned).
+    # and two float32 drift readings each (pooled, and leaf by leaf), in one
+    # buffer (XLA's buffers on CPU are 64-byte aligned).
     def readings(n):
-        return -(-4 * n // 64) * 64
+        return -(-8 * n // 64) * 64
 
-    growth = readings(64) - readings(16)  # 192
+    growth = readings(64) - readings(16)  # 384
     assert _temp(256, 4) - _temp(64, 4) - plain == 48 * carry + growth
     growth = readings(8) - readings(2)  # 0: both fit in 64 bytes
     assert _temp(256, 32) - _temp(64, 32) - plain == 6 * carry + growth

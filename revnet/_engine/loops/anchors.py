@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from revnet._engine import runtime_checks
-from revnet._engine.boundary import relative_distance
+from revnet._engine.boundary import pooled_distance, relative_distance
 
 
 class Anchors(NamedTuple):
@@ -36,9 +36,11 @@ class Anchors(NamedTuple):
       every: the number of steps between anchors.
       carries: one stacked array per carry leaf, ``[count(length, every), ...]``.
       report: None, or a function called (through ``jax.debug.callback``)
-        with the drift at each anchor, in the order the loop runs, and the
-        number of anchors the loop used (a while loop's buffer has room for
-        ``max_steps`` steps).
+        with the drift at each anchor, in the order the loop runs (two
+        readings at each: pooled over the carry's float leaves, as a
+        :class:`revnet.DriftMonitor` reads it, and the largest leaf by leaf,
+        as the boundary check reads it), and the number of anchors the loop
+        used (a while loop's buffer has room for ``max_steps`` steps).
     """
 
     every: int
@@ -84,7 +86,11 @@ def keep(buffers: Sequence[Any], carry: Sequence[Any], i: Any, every: int) -> li
 
 
 def restore(
-    anchors: Anchors, rebuilt: Sequence[Any], i: Any, drift: Any
+    anchors: Anchors,
+    rebuilt: Sequence[Any],
+    i: Any,
+    drift: Any,
+    scale: Sequence[Any] | None = None,
 ) -> tuple[list, Any]:
     """The carry to continue from before step ``i``, and the drift so far.
 
@@ -93,6 +99,9 @@ def restore(
       rebuilt: the carry before step ``i``, as the backward pass rebuilt it.
       i: the step (in the order the loop runs).
       drift: None, or the drift at each anchor measured so far.
+      scale: None, or the norm of each float leaf of the loop's final carry
+        (:func:`revnet._engine.boundary.norms`): each leaf's drift is measured
+        against the larger of its size there and at the anchor.
 
     Returns:
       ``(carry, drift)``: where ``i`` is a multiple of ``anchors.every``, the
@@ -107,16 +116,22 @@ def restore(
     if drift is not None:
         # Read from the carry continued from (the stored anchor at anchors),
         # not from the slice: a slice with two readers is copied out.
-        d = jnp.where(at, relative_distance(rebuilt, carry), drift[slot])
+        # Two readings: over all leaves together (a DriftMonitor's), and leaf
+        # by leaf against each one's size (the boundary check's).
+        now = jnp.stack(
+            [pooled_distance(rebuilt, carry), relative_distance(rebuilt, carry, scale)]
+        )
+        d = jnp.where(at, now, drift[slot])
         drift = lax.dynamic_update_index_in_dim(drift, d, slot, 0)
     return carry, drift
 
 
 def start(anchors: Anchors, slots: int) -> Any:
-    """Empty drift readings for ``slots`` anchors (None without a report)."""
+    """Empty drift readings for ``slots`` anchors (None without a report):
+    two at each, pooled over the carry's leaves and leaf by leaf."""
     if anchors.report is None:
         return None
-    return jnp.zeros((slots,), jnp.float32)
+    return jnp.zeros((slots, 2), jnp.float32)
 
 
 def report(anchors: Anchors, drift: Any, used: Any) -> None:

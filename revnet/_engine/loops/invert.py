@@ -29,6 +29,7 @@ from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
 from revnet._engine import runtime_checks, sharding
+from revnet._engine.boundary import norms
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
@@ -202,13 +203,16 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
         x_cts = ct.float_or_none(in_cts[nc + ncar :], x_avals)
         carry = merge(vals[:nr], s_t, walk.mask)
         if anchors is not None:
-            carry, drift = anc.restore(anchors, carry, i, drift)
+            carry, drift = anc.restore(anchors, carry, i, drift, scale)
             i = i - 1
         return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
 
     ct_consts0 = [
         sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
     ]
+    # Each leaf's drift is measured against its size at the end too (fields
+    # that start at zero).
+    scale = None if anchors is None or anchors.report is None else norms(final)
     state = (
         final,
         ct.float_or_none(out_cts[:ncar], carry_avals),
@@ -320,9 +324,10 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
         ctk = ct.add_into(ctk, in_cts[:nk])
         prev = merge(prev, kept, mode.stored)
         if anchors is not None:
-            prev, drift = anc.restore(anchors, prev, m - 1, drift)
+            prev, drift = anc.restore(anchors, prev, m - 1, drift, scale)
         return m - 1, prev, in_cts[nk:], ctk, bad, drift
 
+    scale = None if anchors is None or anchors.report is None else norms(ran.final)
     state = (
         n,
         list(ran.final),
