@@ -9,7 +9,8 @@ namespace. Line numbers in a failing block's traceback are its file's.
   heading. Blocks that need a fresh interpreter (forced CPU devices, several
   processes) are listed in ``SUBPROCESS`` with the reason and run in the slow
   tier; every other block takes a few seconds in this process. A block that
-  imports ``flax`` or ``equinox`` is skipped when that package is missing.
+  imports ``flax``, ``equinox`` or a simulation package (``jax_md``,
+  ``diffrax``, ``fdtdx``) is skipped when that package is missing.
   Where a block's result can be checked cheaply, ``CHECKS`` does so against
   plain ``jax.grad`` (or the page's own claim).
 * ``test_every_block_is_run`` counts the fences a second way, so a new block
@@ -304,7 +305,14 @@ def restore_runtime_checks():
 
 
 def _skip_missing_packages(code: str) -> None:
-    for package, extra in (("haiku", "haiku"), ("flax", "nnx"), ("equinox", "equinox")):
+    for package, extra in (
+        ("haiku", "haiku"),
+        ("flax", "nnx"),
+        ("equinox", "equinox"),
+        ("jax_md", "simulation"),
+        ("diffrax", "simulation"),
+        ("fdtdx", "simulation"),
+    ):
         if re.search(rf"^\s*(import|from)\s+{package}\b", code, re.M):
             reason = f"the block imports {package}: pip install '.[{extra}]'"
             pytest.importorskip(package, reason=reason)
