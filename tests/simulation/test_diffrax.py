@@ -94,10 +94,11 @@ def test_every_configuration_gives_the_gradient_or_one_line(form, dtype, steps):
     by_mode = {}
     for options, result in outcomes.items():
         by_mode.setdefault(dict(options)["mode"], set()).add(result)
-    assert by_mode["checkpoint"] == {"within"} and by_mode["store"] == {"within"}
+    assert by_mode["checkpoint"] == {"within"}, outcomes
     if form == "diffrax":
         assert by_mode["invert"] == {"refused"}  # the carried vector field
-    else:
+        assert by_mode["store"] == {"within"}, outcomes  # it stores that
+    elif steps == 1_000:
         assert by_mode["invert"] == {"within"}, outcomes
 
 

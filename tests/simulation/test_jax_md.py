@@ -106,12 +106,14 @@ def test_every_configuration_gives_the_gradient_or_one_line(form, dtype, steps):
     by_mode = {}
     for options, result in outcomes.items():
         by_mode.setdefault(dict(options)["mode"], set()).add(result)
-    # Not all refusals: checkpointing and storing always give the gradient,
-    # and the rewrite inverts where the rebuild is well conditioned.
-    assert by_mode["checkpoint"] == {"within"}
-    assert by_mode["store"] == {"within"}
+    # Not all refusals: checkpointing always gives the gradient, storing the
+    # overwritten force does, and the rewrite inverts where the rebuild is
+    # well conditioned (at 10,000 steps rounding error grows past the check's
+    # tolerance in plain float arithmetic, and the check says so).
+    assert by_mode["checkpoint"] == {"within"}, outcomes
     if form == "nve":
         assert by_mode["invert"] == {"refused"}  # the overwritten force
+        assert by_mode["store"] == {"within"}, outcomes
     if form == "exact verlet" or (form == "verlet" and steps == 1_000):
         assert "within" in by_mode["invert"], outcomes
 
