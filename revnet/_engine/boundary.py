@@ -171,7 +171,7 @@ def reporter(
     the check's mode for this loop, if not the setting's."""
     armed = mode is not None and _SETTING[0] == "off"
     mode = mode or _SETTING[0]
-    if mode == "off":
+    if mode == "off" or _per_device():
         return None
     tol = tolerance(values)
     # The user's line that called the loop or function: the warning points
@@ -200,6 +200,14 @@ def reporter(
         warnings.warn_explicit(message, DriftWarning, *jx.site_line(site))
 
     return report
+
+
+def _per_device() -> bool:
+    """Inside a ``shard_map`` body, where each device holds only its shard
+    and a host callback sees per-device values: the check is not made there
+    (a loop or function around the ``shard_map`` is checked)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and jax.sharding.AxisType.Manual in mesh.axis_types
 
 
 def chained(*reports: Any) -> Any:

@@ -425,7 +425,9 @@ def test_memory_tiny(tmp_path):
     assert std[-1] >= 10 * rev[-1] and std[-1] / std[0] >= 0.5 * top / depths[0]
     assert rev[-1] < by["checkpoint", top]["temp_bytes"] < std[-1]
     assert by["checkpoint", top]["remat_calls_at_trace"] > 0
-    assert by["reversible", top]["flops_ratio"] <= 1.34  # RevNet's 4/3
+    # RevNet's 4/3, and the boundary check's reductions over the input, on by
+    # default (at most 2% of a step: tests/core/test_boundary.py).
+    assert by["reversible", top]["flops_ratio"] <= 1.34 * 1.02
     for key in ("temp_bytes", "flops"):  # generic @invertible = the sequence
         assert by["generic", top][key] <= 1.05 * by["reversible", top][key]
     for row in mlp["rows"]:

@@ -297,4 +297,7 @@ def test_benchmark_memory_flat_and_collectives_bounded(tmp_path, monkeypatch):
     for mode in ("auto", "explicit"):
         rev = counts["reversible", mode]
         for kind in sharding.COLLECTIVES:
-            assert rev[kind] <= remat[kind], (mode, kind, rev, remat)
+            # The boundary check adds one all-reduce: its norms over the
+            # sharded input, a few scalars.
+            more = 1 if kind == "all-reduce" else 0
+            assert rev[kind] <= remat[kind] + more, (mode, kind, rev, remat)
