@@ -140,7 +140,9 @@ def test_anchors_add_one_activation_each():
     # and at most one more activation (one carry) live while it compares.
     for depth in (4, 64):
         extra = temp(anchored, depth, True) - temp(anchored, depth, True, "off")
-        assert 0 <= extra <= activation + 8 * (depth // 4) + 64, (depth, extra)
+        # (The bound is the promise; XLA may schedule the checked program
+        # tighter than the unchecked one: 16 KiB less at depth 4 under jax 0.12.)
+        assert extra <= activation + 8 * (depth // 4) + 64, (depth, extra)
 
 
 @pytest.mark.parametrize("model", [sequence, anchored, revnet, transformer])
