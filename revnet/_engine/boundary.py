@@ -71,11 +71,6 @@ def set_boundary_check(mode: str) -> None:
     _SETTING[0] = mode
 
 
-def boundary_check() -> str:
-    """The current setting of :func:`set_boundary_check`."""
-    return _SETTING[0]
-
-
 def active() -> bool:
     """Whether backward passes traced now check their rebuilt input."""
     return _SETTING[0] != "off"
@@ -91,49 +86,39 @@ def tolerance(values: Sequence[Any]) -> float:
 
 def norms(values: Sequence[Any]) -> list:
     """The L2 norm of each floating-point leaf of ``values`` (float32 at
-    least): the scales :func:`relative_distance` may measure against."""
+    least): the scales :func:`distances` may measure against."""
     return [_norm(jnp.asarray(v)) for v in values if is_float(v)]
 
 
-def pooled_distance(a: Sequence[Any], b: Sequence[Any]) -> jax.Array:
-    """``|a - b| / |b|`` in L2 over all the floating-point leaves together (0
-    when ``b`` is 0): what a :class:`revnet.DriftMonitor` reads."""
+def distances(
+    a: Sequence[Any], b: Sequence[Any], scale: Sequence[Any] | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Two relative L2 distances ``|a - b| / |b|`` over the floating-point
+    leaves, from one pass over them (float32 each; 0 without float leaves):
+
+    * pooled: over all the leaves together (0 when ``b`` is 0), what a
+      :class:`revnet.DriftMonitor` reads;
+    * by leaf: the largest, each leaf measured against its own size, so that
+      a leaf of small values (fields that start at zero) is not drowned by a
+      large constant one: its norm, or ``scale``'s (one norm per float leaf,
+      :func:`norms`: a loop's final carry) where larger. A leaf of size 0 is
+      measured against the largest size of all; all zero, the distance is
+      absolute. What the boundary check reads.
+    """
     # No dtype promotion (the caller may run under strict promotion): each
     # leaf in its own dtype, at least float32; the sums in the widest one.
     pairs = [(jnp.asarray(x), y) for x, y in zip(a, b) if is_float(x)]
     if not pairs:
-        return jnp.float32(0.0)
+        return jnp.float32(0.0), jnp.float32(0.0)
     pairs = [(x.astype(_at_least_f32(x.dtype)), y) for x, y in pairs]
     wide = max((x.dtype for x, _ in pairs), key=lambda d: np.dtype(d).itemsize)
-    num = sum(jnp.sum(jnp.square(x - y.astype(x.dtype))).astype(wide) for x, y in pairs)
-    den = sum(jnp.sum(jnp.square(y.astype(x.dtype))).astype(wide) for x, y in pairs)
-    value = jnp.where(
+    err2 = [_squares(x - jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
+    size2 = [_squares(jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
+    num, den = sum(err2), sum(size2)
+    pooled = jnp.where(
         den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1)), jnp.sqrt(num)
     )
-    return value.astype(jnp.float32)
-
-
-def relative_distance(
-    a: Sequence[Any], b: Sequence[Any], scale: Sequence[Any] | None = None
-) -> jax.Array:
-    """The largest relative L2 distance ``|a - b| / |b|`` over the
-    floating-point leaves, one by one: what the boundary check reads.
-
-    Each leaf is measured against its own size, so that a leaf of small values
-    (fields that start at zero) is not drowned by a large constant one: its
-    norm, or ``scale``'s (one norm per float leaf, :func:`norms`: a loop's
-    final carry) where larger. A leaf of size 0 is measured against the
-    largest size of all; all zero, the distance is absolute.
-    """
-    # No dtype promotion (the caller may run under strict promotion): each
-    # leaf in its own dtype, at least float32; the ratios in the widest one.
-    pairs = [(jnp.asarray(x), y) for x, y in zip(a, b) if is_float(x)]
-    if not pairs:
-        return jnp.float32(0.0)
-    pairs = [(x.astype(_at_least_f32(x.dtype)), y) for x, y in pairs]
-    wide = max((x.dtype for x, _ in pairs), key=lambda d: np.dtype(d).itemsize)
-    errors = [_norm(x - jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
-    sizes = [_norm(jnp.asarray(y).astype(x.dtype)).astype(wide) for x, y in pairs]
+    errors, sizes = [jnp.sqrt(e) for e in err2], [jnp.sqrt(s) for s in size2]
     if scale is not None:
         sizes = [
             jnp.maximum(s, jnp.asarray(t).astype(wide)) for s, t in zip(sizes, scale)
@@ -143,13 +128,19 @@ def relative_distance(
     for e, s in zip(errors, sizes):
         s = jnp.where(s > 0, s, largest)
         ratios.append(jnp.where(s > 0, e / jnp.where(s > 0, s, 1), e))
-    return functools.reduce(jnp.maximum, ratios).astype(jnp.float32)
+    by_leaf = functools.reduce(jnp.maximum, ratios)
+    return pooled.astype(jnp.float32), by_leaf.astype(jnp.float32)
+
+
+def _squares(x: jax.Array) -> jax.Array:
+    """The sum of squares of ``x``, in its dtype (float32 at least)."""
+    x = x.astype(_at_least_f32(x.dtype))
+    return jnp.sum(jnp.square(x))
 
 
 def _norm(x: jax.Array) -> jax.Array:
     """The L2 norm of ``x``, in its dtype (float32 at least)."""
-    x = x.astype(_at_least_f32(x.dtype))
-    return jnp.sqrt(jnp.sum(jnp.square(x)))
+    return jnp.sqrt(_squares(x))
 
 
 def _at_least_f32(dtype: Any) -> Any:
@@ -248,11 +239,9 @@ __all__ = [
     "DriftError",
     "DriftWarning",
     "active",
-    "boundary_check",
     "chained",
     "norms",
-    "pooled_distance",
-    "relative_distance",
+    "distances",
     "reporter",
     "set_boundary_check",
     "tolerance",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from revnet._engine import runtime_checks
-from revnet._engine.boundary import pooled_distance, relative_distance
+from revnet._engine.boundary import distances
 
 
 class Anchors(NamedTuple):
@@ -118,9 +118,7 @@ def restore(
         # not from the slice: a slice with two readers is copied out.
         # Two readings: over all leaves together (a DriftMonitor's), and leaf
         # by leaf against each one's size (the boundary check's).
-        now = jnp.stack(
-            [pooled_distance(rebuilt, carry), relative_distance(rebuilt, carry, scale)]
-        )
+        now = jnp.stack(distances(rebuilt, carry, scale))
         d = jnp.where(at, now, drift[slot])
         drift = lax.dynamic_update_index_in_dim(drift, d, slot, 0)
     return carry, drift
