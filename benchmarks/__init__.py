@@ -23,4 +23,5 @@ BENCHMARKS = {
     "sharding": "sharding",
     "front_doors": "front_doors",
     "flows": "flows",
+    "simulation": "simulation",
 }

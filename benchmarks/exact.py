@@ -268,7 +268,7 @@ def exact_revnet_fn(exact: bool):
 def training(size: str) -> dict[str, Any]:
     """digits.py's run (same data, seed, batches and steps) with float and with
     exact couplings."""
-    digits = measure._load_example_module("digits")
+    digits = measure.load_example_module("digits")
     out: dict[str, Any] = {"flags": DIGITS[size]}
     original = digits.net_fn
     try:

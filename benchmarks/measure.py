@@ -38,7 +38,7 @@ MIB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_example_module(name: str):
+def load_example_module(name: str):
     """``examples/<name>.py``, a helper the examples use too (the examples are
     scripts, not a package: loaded from its file)."""
     path = os.path.join(ROOT, "examples", f"{name}.py")
@@ -48,9 +48,9 @@ def _load_example_module(name: str):
     return module
 
 
-flags = _load_example_module("_flags")  # the flag types
+flags = load_example_module("_flags")  # the flag types
 # Writes a file whole or not at all (a synced temporary file and a rename).
-atomic_write = _load_example_module("_durable").write_atomically
+atomic_write = load_example_module("_durable").write_atomically
 
 
 def parse(doc: str, argv: Sequence[str] | None, add=None) -> argparse.Namespace:

@@ -253,7 +253,7 @@ def armed(options: Options, body: TracedBody, jaxpr: Any, mode: Any) -> Options:
         options.mode != choose.AUTO
         or mode.kind != choose.INVERT
         or boundary.active()
-        or visible_damping(jaxpr, mode.plan, body.consts) is None
+        or visible_damping(mode.program(jaxpr), mode.plan, body.consts) is None
     ):
         return options
     every = options.anchor_every

@@ -303,6 +303,11 @@ UNDER_SCAN3 = bool(jax.config.jax_scan3)
 def equations(fun, *args) -> list:
     """The equations of ``fun``'s jaxpr, nested jaxprs included, in order; a
     hijax call is followed by the equations of its expansion."""
+    return equations_of(jax.make_jaxpr(fun)(*args).jaxpr)
+
+
+def equations_of(jaxpr) -> list:
+    """The equations of ``jaxpr``, nested jaxprs included (as :func:`equations`)."""
     found: list = []
 
     def walk(jaxpr):
@@ -317,7 +322,7 @@ def equations(fun, *args) -> list:
                 if inner is not None:
                     walk(inner[0])
 
-    walk(jax.make_jaxpr(fun)(*args).jaxpr)
+    walk(jaxpr)
     return found
 
 

@@ -18,6 +18,7 @@ front-end.
 from revnet._engine import (
     boundary,
     cotangents,
+    elimination,  # noqa: F401  (registers: the handler of linear elimination)
     kept,
     known_args,
     layout,  # noqa: F401  (registers: the convolution evaluator)

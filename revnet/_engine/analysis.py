@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from revnet._engine import fingerprint, registry, sharding
+from revnet._engine import elimination, fingerprint, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.cache import LRU
 from revnet._engine.errors import (
@@ -47,6 +47,7 @@ from revnet._engine.errors import (
     hint_of,
 )
 from revnet._engine.plan import Forward, Plan, Solve, var_avals, wiring
+from revnet._engine.rule_check import abstract_solve
 
 # Values computed from literals only are folded at trace time up to this size.
 STATIC_MAX_SIZE = 1 << 20
@@ -83,74 +84,6 @@ def analyze(jaxpr: Any, known_in: Sequence[bool], known_out: Sequence[bool]) -> 
     plan = Analysis(jaxpr, known_in, known_out).run()
     PLAN_CACHE.put(key, plan)
     return plan
-
-
-def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> None:
-    """Runs a primitive's inverse rule on abstract values to check that it applies.
-
-    Known inputs whose value is fixed at trace time (``static_value(n)`` for
-    input ``n``) are passed to the rule's check, so that it can refuse, for
-    example, a multiplication by a constant zero.
-
-    Raises:
-      NotInvertibleError: when the rule refuses, fails on these shapes, or
-        returns a value of the wrong type.
-    """
-    in_avals = [jx.aval(v) for v in eqn.invars]
-    statics = [static_value(n) if k else None for n, k in enumerate(ins)]
-    try:
-        rule.run_check(statics, eqn.params, in_avals)
-    except NotInvertibleError:
-        raise
-    except Exception as e:
-        raise RuleError(f"its inverse rule's check raised {_describe(e)}") from e
-
-    def go(outs, known):
-        it = iter(known)
-        with jx.context(eqn):
-            return rule(
-                outs, [next(it) if k else None for k in ins], eqn.params, in_avals
-            )
-
-    # The structs keep the avals' sharding types (Explicit axes, varying
-    # manual axes): a rule's shape work must pass them through.
-    outs = [jx.struct(jx.aval(v)) for v in eqn.outvars]
-    known = [jx.struct(a) for a, k in zip(in_avals, ins) if k]
-    try:
-        result = jax.eval_shape(go, outs, known)
-    except NotInvertibleError:
-        raise
-    except Exception as e:  # a rule that cannot trace on these shapes
-        raise RuleError(f"its inverse rule raised {_describe(e)}") from e
-    if not isinstance(result, (list, tuple)) or len(result) != len(ins):
-        raise RuleError(
-            f"its inverse rule returned {type(result).__name__}"
-            f"{f' of {len(result)}' if isinstance(result, (list, tuple)) else ''}"
-            f", not a list of the equation's {len(ins)} inputs"
-        )
-    for a, k, r in zip(in_avals, ins, result):
-        if not k and (
-            not hasattr(r, "shape")
-            or tuple(r.shape) != tuple(a.shape)
-            or r.dtype != a.dtype
-        ):
-            got = f"{r.dtype}{list(r.shape)}" if hasattr(r, "shape") else repr(r)
-            raise RuleError(
-                f"its inverse rule returned {got} for an input of type "
-                f"{a.dtype}{list(a.shape)}"
-            )
-        if not k and sharding.type_key(r) != sharding.type_key(a):
-            raise RuleError(
-                f"its inverse rule returned a value of sharding "
-                f"{sharding.describe(r)} for an input of sharding "
-                f"{sharding.describe(a)}"
-            )
-
-
-def _describe(e: Exception) -> str:
-    """``Type: message`` of an exception, on one line."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Analysis:
@@ -230,28 +163,17 @@ class Analysis:
     # -- the propagation ------------------------------------------------------- #
 
     def run(self) -> Plan:
-        n = len(self.jaxpr.eqns)
-        queue = list(range(n - 1, -1, -1))
-        queued = set(queue)
-        while queue:
-            i = queue.pop()
-            queued.discard(i)
-            if self.done[i]:
-                continue
-            for v in self._visit(i):
-                # Its consumers, and the equation that produced it, may now be
-                # solvable.
-                producer = self.eqn_of.get(v)
-                for j in [*self.consumers.get(v, ()), producer]:
-                    if j is not None and not self.done[j] and j not in queued:
-                        queue.append(j)
-                        queued.add(j)
+        self._propagate(range(len(self.jaxpr.eqns) - 1, -1, -1))
+        while self._unknown():
+            # Stuck: unknowns tied linearly across equations may still be
+            # solved together (:mod:`.elimination`).
+            found = elimination.eliminate(self)
+            if found is None:
+                break
+            step, produced = found
+            self._propagate(self._next(self._add(step, produced)))
         w = self.wiring
-        unknown = [
-            n
-            for n, (v, k) in enumerate(zip(w.invars, self.known_in))
-            if not k and v not in self.known
-        ]
+        unknown = self._unknown()
         if unknown:
             # A failure waiting for values gives way to the failing equations
             # that did not rebuild them (its cause). A rule that broke, else a
@@ -269,6 +191,40 @@ class Analysis:
         return Plan(
             w, self.known_in, self.known_out, tuple(self.steps), dict(self.producer)
         )
+
+    def _unknown(self) -> list[int]:
+        """The positions of the unknown inputs not rebuilt yet."""
+        w = self.wiring
+        return [
+            n
+            for n, (v, k) in enumerate(zip(w.invars, self.known_in))
+            if not k and v not in self.known
+        ]
+
+    def _propagate(self, equations: Sequence[int]) -> None:
+        """Visits ``equations`` (last first), and the equations each value
+        they make known may unblock, until nothing changes."""
+        queue = list(equations)
+        queued = set(queue)
+        while queue:
+            i = queue.pop()
+            queued.discard(i)
+            if self.done[i]:
+                continue
+            for j in self._next(self._visit(i)):
+                if j not in queued:
+                    queue.append(j)
+                    queued.add(j)
+
+    def _next(self, values: Sequence[int]) -> list[int]:
+        """The equations not done that read or make ``values``: they may now
+        be solvable."""
+        found = []
+        for v in values:
+            for j in [*self.consumers.get(v, ()), self.eqn_of.get(v)]:
+                if j is not None and not self.done[j] and j not in found:
+                    found.append(j)
+        return found
 
     def _order(self, i: int) -> tuple[int, int]:
         """How well failure ``i`` explains the refusal, best least: by the

@@ -237,10 +237,12 @@ def not_invertible(
         leaves = ", ".join(describe(n) for n in lost)
         text = (
             f"try: the step overwrites {leaves} (no output determines its old "
-            "value); compute it from the other leaves at the start of the step "
-            "instead of carrying it (a force from the positions, before the first "
-            "momentum update), and the step inverts; or pass mode='auto', which "
-            "stores it at every step"
+            "value, and its new value reads the old carry); compute it from the "
+            "other leaves at the start of the step instead of carrying it (a force "
+            "from the positions, before the first momentum update), or from the "
+            "step's new values only (revnet rebuilds such a leaf by the step "
+            "before), and the step inverts; or pass mode='auto', which stores it "
+            "at every step"
         )
     return NotInvertibleError(
         f"{fname} is not invertible: cannot solve {prim}{loc} ({reason}), so "

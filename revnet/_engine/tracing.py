@@ -65,7 +65,8 @@ def prepare(jaxpr: Any) -> Any:
 
 def inline_jits(jaxpr: Any) -> Any:
     """Replaces nested ``jit`` (and ``eval_jaxpr``) equations without constants
-    by their bodies,
+    by their bodies, a ``cond`` on a literal index (diffrax's ``made_jump=False``)
+    by the branch it runs,
     and revnet's own calls (:mod:`.jaxpr.vmappable`) by their custom VJPs.
 
     ``jnp`` functions are jits (``jnp.where`` is a jit around ``select_n``), and
@@ -73,11 +74,25 @@ def inline_jits(jaxpr: Any) -> Any:
     does not change what is computed.
     """
 
-    def inlinable(e):
+    def target(e):
+        """``(body, operands)`` that ``e`` runs, when it is inlined."""
         if jx.hi_kind(e) == jx.REVNET_CALL:  # revnet's own call: its custom VJP
-            return not jx.call_body(e).consts
+            body = jx.call_body(e)
+            return None if body.consts else (body.jaxpr, e.invars)
+        branches = jx.cond_branches(e)
+        if branches is not None:  # a cond on a literal index runs one branch
+            index = e.invars[0]
+            if not isinstance(index, jx.Literal):
+                return None
+            chosen = branches[int(jx.literal_value(index))]
+            return None if chosen.consts else (chosen.jaxpr, e.invars[1:])
         body = jx.plain_call_jaxpr(e)
-        return body is not None and not jx.closed_consts(body)
+        if body is None or jx.closed_consts(body):
+            return None
+        return jx.call_body(e).jaxpr, e.invars
+
+    def inlinable(e):
+        return target(e) is not None
 
     if not any(inlinable(e) for e in jaxpr.eqns):
         return jaxpr
@@ -91,8 +106,9 @@ def inline_jits(jaxpr: Any) -> Any:
         if not inlinable(e):
             eqns.append(e.replace(invars=[outer(a) for a in e.invars]))
             continue
-        inner = inline_jits(jx.call_body(e).jaxpr)
-        env = {bv: outer(ov) for bv, ov in zip(inner.invars, e.invars)}
+        body, operands = target(e)
+        inner = inline_jits(body)
+        env = {bv: outer(ov) for bv, ov in zip(inner.invars, operands)}
 
         def rename(a, env=env):
             if isinstance(a, jx.Literal) or jx.is_dropvar(a):

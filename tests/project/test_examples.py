@@ -115,6 +115,10 @@ OTHER_BAD_FLAGS = [
     ("exact_leapfrog", "--out", "/proc/not-writable"),
     ("sharded_training", "--data", "3"),
     ("sharded_training", "--layers", "0"),
+    ("md_nve", "--steps", "0"),
+    ("md_nve", "--out", "/proc/not-writable"),
+    ("neural_ode_heun", "--updates", "-1"),
+    ("neural_ode_heun", "--out", "/proc/not-writable"),
 ]
 
 
@@ -172,6 +176,31 @@ def test_smoke_run_writes_json(script, tmp_path):
         assert set(results["temp_bytes"]) == {"reversible", "standard"}
     else:
         assert len(results["losses"]) == 3 and results["memory"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, package, peer",
+    [("md_nve", "jax_md", "checkpoint"), ("neural_ode_heun", "diffrax", "diffrax")],
+)
+def test_a_simulation_example_inverts_a_peers_step_in_flat_memory(
+    script, package, peer, tmp_path
+):
+    """The peer's own step, inverted: the gradient is the peer's method's, the
+    backward pass's memory is the same at 100 and 1,000 steps and below the
+    peer's, and the fit improves."""
+    pytest.importorskip(
+        package, reason="the simulation extra: pip install -e '.[simulation]'"
+    )
+    run_example(script, "--smoke", "--out", str(tmp_path))
+    with open(tmp_path / f"{script}.json") as f:
+        results = json.load(f)
+    assert results["grad_rel_diff"] < 1e-3, results["grad_rel_diff"]
+    memory = results["memory"]
+    assert memory["revnet"]["100"] == memory["revnet"]["1000"], memory
+    assert memory["revnet"]["1000"] < memory[peer]["1000"], memory
+    losses = results["losses"]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
 
 
 @pytest.mark.slow

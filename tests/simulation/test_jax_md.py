@@ -3,13 +3,17 @@
 Eight particles in the plane, soft-sphere repulsion (jax-md's
 ``energy.soft_sphere_pair``) in a harmonic trap, free space. Three steps:
 jax-md's own ``simulate.nve`` step unchanged (its state carries the force,
-which the step overwrites: inverting it is refused with the rewrite named);
-that rewrite, a velocity Verlet on ``(R, p)`` that takes jax-md's force at
-the start of the step; and the same in exact mode (``revnet.exact.add``).
+which the step overwrites: a derived leaf, rebuilt from the positions by the
+step before); a velocity Verlet on ``(R, p)`` that takes jax-md's force at the
+start of the step; and the same in exact mode (``revnet.exact.add``). In a
+periodic box jax-md's shift wraps the positions, and inverting is refused with
+jax-md's line, the user's, and the rewrite named.
 Gradients are with respect to the initial positions and ``sigma``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ import pytest
 
 import revnet
 from revnet import exact
+from revnet._engine.loops.hooks import modes_chosen
 from tests.simulation import peers
 
 jax_md = peers.require("jax_md")
@@ -106,27 +111,38 @@ def test_every_configuration_gives_the_gradient_or_one_line(form, dtype, steps):
     by_mode = {}
     for options, result in outcomes.items():
         by_mode.setdefault(dict(options)["mode"], set()).add(result)
-    # Not all refusals: checkpointing always gives the gradient, storing the
-    # overwritten force does, and the rewrite inverts where the rebuild is
-    # well conditioned (at 10,000 steps rounding error grows past the check's
-    # tolerance in plain float arithmetic, and the check says so).
+    # Not all refusals: checkpointing always gives the gradient, and every
+    # step inverts where the rebuild is well conditioned (at 10,000 steps
+    # rounding error grows past the check's tolerance in plain float
+    # arithmetic, and the check says so).
     assert by_mode["checkpoint"] == {"within"}, outcomes
-    if form == "nve":
-        assert by_mode["invert"] == {"refused"}  # the overwritten force
-        assert by_mode["store"] == {"within"}, outcomes
-    if form == "exact verlet" or (form == "verlet" and steps == 1_000):
+    if form == "exact verlet" or steps == 1_000:
         assert "within" in by_mode["invert"], outcomes
 
 
-def test_the_unchanged_nve_step_is_refused_with_the_rewrite_named():
-    params = _params("float32")
+def test_the_unchanged_nve_step_inverts_with_the_force_derived():
+    with modes_chosen() as seen:
+        _nve_loss(3)(functools.partial(revnet.scan, mode="invert"), _params("float32"))
+    (mode,) = seen
+    assert mode.kind == "invert" and mode.stored == (False,) * 4, mode
+    # the state's leaves: position, momentum, force, mass
+    assert mode.derived.mask == (False, False, True, False), mode.derived.mask
 
-    def inverted(*a, **k):
-        return revnet.scan(*a, **k, mode="invert")
+
+def test_a_periodic_box_is_refused_with_jax_mds_line_and_the_rewrite_named():
+    params = _params("float32")
+    displacement, shift = space.periodic(4.0)
+    energy_fn = energy.soft_sphere_pair(displacement, sigma=params["sigma"])
+    init_fn, step_fn = simulate.nve(energy_fn, shift, dt=DT)
+    state = init_fn(
+        jax.random.PRNGKey(0), params["R0"], KT, momenta=_momenta("float32")
+    )
 
     with pytest.raises(revnet.NotInvertibleError) as info:
-        _nve_loss(10)(inverted, params)
+        revnet.scan(
+            lambda s, _: (step_fn(s), None), state, None, length=3, mode="invert"
+        )
     first, hint = str(info.value).split("\n")
-    assert "jax_md" in first and "simulate.py" in first, first
+    assert "jax_md" in first and "space.py" in first and "`rem`" in first, first
     assert f"called from {__file__}:" in first, first
-    assert hint.startswith("try: the step overwrites input init.force"), hint
+    assert hint.startswith("try: carry unwrapped coordinates"), hint

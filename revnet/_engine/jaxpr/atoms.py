@@ -121,6 +121,11 @@ def new_var(a: Any) -> Var:
     return Var(a)
 
 
+def scalar_aval(dtype: Any) -> Any:
+    """The abstract value of a scalar of ``dtype``, on no mesh."""
+    return jax.core.ShapedArray((), np.dtype(dtype))
+
+
 def stacked(a: Any, length: int) -> Any:
     """The abstract value ``a`` stacked ``length`` times on a new leading axis,
     which no mesh axis splits (a sharded value's spec gains a leading None,

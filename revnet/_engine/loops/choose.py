@@ -33,6 +33,12 @@ from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.decisions import Exposed, expose
 from revnet._engine.errors import Stuck
+from revnet._engine.loops.derived import (
+    Derived,
+    derived_leaves,
+    inlined,
+    with_derived,
+)
 from revnet._engine.loops.store import known_with, stored_set
 from revnet._engine.plan import Plan
 
@@ -49,11 +55,18 @@ class Mode:
       plan: the body's plan (None when checkpointing), rebuilding the carry
         leaves that are not stored.
       stored: for each carry leaf, whether it is stored at every step.
+      derived: None, or the body with its derived carry leaves tied to the
+        previous step (:mod:`.derived`): then ``plan`` is that body's.
     """
 
     kind: str
     plan: Plan | None
     stored: tuple[bool, ...]
+    derived: Derived | None = None
+
+    def program(self, jaxpr: Any) -> Any:
+        """The jaxpr ``plan`` is for, given the loop's body ``jaxpr``."""
+        return jaxpr if self.derived is None else self.derived.jaxpr
 
 
 def choose_mode(
@@ -92,6 +105,9 @@ def choose_mode(
     try:
         return Mode(INVERT, analysis.analyze(jaxpr, known_in, known_out), none)
     except Stuck as stuck:
+        tied = _tied_mode(jaxpr, known_in, carry)
+        if tied is not None:
+            return tied
         if mode == INVERT:
             raise
         if not bounded:
@@ -103,6 +119,25 @@ def choose_mode(
         return Mode(CHECKPOINT, None, none)
     plan = analysis.analyze(jaxpr, known_with(known_in, stored), known_out)
     return Mode(STORE, plan, tuple(n in stored for n in carry))
+
+
+def _tied_mode(jaxpr: Any, known_in: Sequence[bool], carry: Sequence[int]):
+    """The invert mode with the body's derived carry leaves rebuilt by the
+    previous step's equations (:mod:`.derived`), or None when it has none or
+    is still stuck."""
+    jaxpr = inlined(jaxpr)
+    leaves = derived_leaves(jaxpr, carry)
+    if not leaves:
+        return None
+    tied = with_derived(jaxpr, carry, leaves)
+    extra = len(tied.jaxpr.invars) - len(jaxpr.invars)
+    try:
+        plan = analysis.analyze(
+            tied.jaxpr, (*known_in, *(True,) * extra), (True,) * len(tied.jaxpr.outvars)
+        )
+    except Stuck:
+        return None
+    return Mode(INVERT, plan, (False,) * len(carry), tied)
 
 
 def _coupled_float(jaxpr: Any, carry: Sequence[int], k: int) -> bool:

@@ -33,6 +33,7 @@ from revnet._engine.boundary import norms
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.choose import Mode
+from revnet._engine.loops.derived import Derived
 from revnet._engine.loops.hooks import STEP_HOOKS
 from revnet._engine.loops.store import merge
 from revnet._engine.plan import Plan
@@ -51,6 +52,8 @@ class _Walk:
     stored: list  # the stored carry leaves' stacked values
     mask: list  # per carry leaf: stored (True) or rebuilt by the plan
     messages: list
+    derived: Derived | None = None  # the body with its derived leaves tied
+    first: list = dataclasses.field(default_factory=list)  # their initial values
 
     @property
     def rebuilt(self) -> int:
@@ -70,18 +73,51 @@ class _Walk:
         }[part]
         return [jx.aval(v) for v in vs]
 
-    def step(self, carry, y_t, s_t, x_t, cts=None, perturbed=None):
-        """One step back: the plan's values (and cotangents), checked."""
+    def step(self, carry, y_t, s_t, x_t, cts=None, perturbed=None, t=None):
+        """One step back (step ``t``, in ``xs`` order): the plan's values (and
+        cotangents), checked."""
+        jaxpr, known = self.sp.body.jaxpr, list(s_t) + list(x_t)
+        outs, d = list(carry) + list(y_t), self.derived
+        if d is not None:
+            jaxpr = d.jaxpr
+            known += d.known(*self._before(t), self.first)
+            outs += d.zeros()
+            cts = None if cts is None else list(cts) + d.out_cts()
+            if perturbed is not None:
+                perturbed = list(perturbed) + [False] * d.extra
         with runtime_checks.scope() as sc:
             vals, in_cts = run_plan(
                 self.plan,
-                self.sp.body.jaxpr,
-                self.body_consts + self.consts + list(s_t) + list(x_t),
-                list(carry) + list(y_t),
+                jaxpr,
+                self.body_consts + self.consts + known,
+                outs,
                 cts,
                 perturbed,
             )
+        if d is not None and in_cts is not None:
+            in_cts = in_cts[: len(in_cts) - d.extra]
         return vals, in_cts, sc
+
+    def _before(self, t):
+        """The ``xs`` of the step the loop ran before step ``t``, and whether
+        ``t`` is the loop's first step."""
+        last = self.sp.length - 1
+        prev = t + 1 if self.sp.reverse else t - 1
+        first = (prev > last) if self.sp.reverse else (prev < 0)
+        at = jnp.clip(prev, 0, max(last, 0))
+        xs = [lax.dynamic_index_in_dim(x, at, keepdims=False) for x in self.xs_known]
+        return xs, first
+
+    def last(self) -> Any:
+        """The index (in ``xs``) of the step the walk back starts at, counted
+        in its state when leaves are derived (None otherwise)."""
+        if self.derived is None:
+            return None
+        return jnp.int32(0 if self.sp.reverse else self.sp.length - 1)
+
+    def before(self, t: Any) -> Any:
+        """The index of the step the walk back takes after step ``t``."""
+        return None if t is None else t + (1 if self.sp.reverse else -1)
 
     def scan(self, body, state, per):
         sp = self.sp
@@ -100,6 +136,8 @@ def reversed_scan(
     stored: Sequence[Any] | None = None,
     anchors: anc.Anchors | None = None,
     perturbed: Sequence[bool] | None = None,
+    derived: Derived | None = None,
+    first: Sequence[Any] = (),
 ):
     """Runs a scan backwards: rebuilds its initial carry (and unknown ``xs``).
 
@@ -117,6 +155,10 @@ def reversed_scan(
         the backward pass continues; with cotangents only.
       perturbed: which of the scan's inputs (constants, carry, xs) are
         differentiated; None: every float one (:mod:`.perturbed`).
+      derived: None, or the body with its derived carry leaves tied to the
+        previous step (:mod:`.derived`), which ``plan`` is for; every ``xs``
+        is then known.
+      first: the derived leaves' values in the initial carry.
 
     Returns:
       ``(rebuilt values, input cotangents or None)``: the initial carry and
@@ -135,6 +177,8 @@ def reversed_scan(
         [v for v in stored if v is not None],
         [v is not None for v in stored],
         [],
+        derived,
+        list(first),
     )
     final = list(outs[:ncar])
     if out_cts is None:
@@ -149,15 +193,16 @@ def _rebuild(walk: _Walk, final: list) -> list:
     nr = walk.rebuilt
 
     def body(state, per):
-        carry, bad = state
+        carry, bad, t = state
         x_t, y_t, s_t = per
-        vals, _, sc = walk.step(carry, y_t, s_t, x_t)
+        vals, _, sc = walk.step(carry, y_t, s_t, x_t, t=t)
         carry = merge(vals[:nr], s_t, walk.mask)
-        return (carry, runtime_checks.merge(bad, sc, walk.messages)), vals[nr:]
+        bad = runtime_checks.merge(bad, sc, walk.messages)
+        return (carry, bad, walk.before(t)), vals[nr:]
 
     bad0 = jnp.int32(-1) if runtime_checks.enabled() else None
-    (init, bad), xs_new = walk.scan(
-        body, (final, bad0), (walk.xs_known, walk.ys_known, walk.stored)
+    (init, bad, _), xs_new = walk.scan(
+        body, (final, bad0, walk.last()), (walk.xs_known, walk.ys_known, walk.stored)
     )
     runtime_checks.record_index(bad, walk.messages)
     return list(init) + list(xs_new)
@@ -184,7 +229,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
     has_ct_y = [c is not None and not ct.is_float0(c) for c in ct_ys]
 
     def body(state, per):
-        carry, ctc, ctk, bad, (i, drift) = state
+        carry, ctc, ctk, bad, (i, drift), t = state
         x_t, y_t, s_t, cty_present = per
         present = iter(cty_present)
         cty_t = [next(present) if h else None for h in has_ct_y]
@@ -192,7 +237,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
             c if c is not None else ct.zeros(a)
             for c, a in zip(list(ctc) + cty_t, [*carry_avals, *y_avals])
         ]
-        vals, in_cts, sc = walk.step(carry, y_t, s_t, x_t, cts_t, body_perturbed)
+        vals, in_cts, sc = walk.step(carry, y_t, s_t, x_t, cts_t, body_perturbed, t=t)
         bad = runtime_checks.merge(bad, sc, walk.messages)
         in_cts = in_cts[nb:]
         new_ctk = [
@@ -205,7 +250,8 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
         if anchors is not None:
             carry, drift = anc.restore(anchors, carry, i, drift, scale)
             i = i - 1
-        return (carry, new_ctc, new_ctk, bad, (i, drift)), (vals[nr:], x_cts)
+        state = (carry, new_ctc, new_ctk, bad, (i, drift), walk.before(t))
+        return state, (vals[nr:], x_cts)
 
     ct_consts0 = [
         sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
@@ -224,9 +270,10 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
             jnp.int32(sp.length - 1),
             anc.start(anchors, anc.count(sp.length, anchors.every)),
         ),
+        walk.last(),
     )
     present = [c for c, h in zip(ct_ys, has_ct_y) if h]
-    (init, ct_init, ct_k, bad, (_, drift)), (xs_new, ct_xs) = walk.scan(
+    (init, ct_init, ct_k, bad, (_, drift), _), (xs_new, ct_xs) = walk.scan(
         body, state, (walk.xs_known, walk.ys_known, walk.stored, present)
     )
     runtime_checks.record_index(bad, walk.messages)
@@ -244,6 +291,7 @@ def backward(
     cts: tuple[Sequence[Any], Sequence[Any]],
     perturbed: tuple[Sequence[bool], Sequence[bool], Sequence[bool]],
     anchors: anc.Anchors | None,
+    first: Sequence[Any] = (),
 ) -> tuple[list, list, list]:
     """The cotangents of a loop's constants, initial carry and ``xs``.
 
@@ -258,6 +306,8 @@ def backward(
       perturbed: which constants, initial carry leaves and ``xs`` are
         differentiated.
       anchors: the stored anchors, or None.
+      first: the initial carry's derived leaves (:mod:`.derived`), when
+        ``mode`` has any.
 
     Returns:
       ``(constants, initial carry, xs)`` cotangents, None where zero.
@@ -269,7 +319,7 @@ def backward(
     if sp.length is None:
         p_k, p_c, _ = perturbed
         body_perturbed = list(p_k) + pb.loop_carry(sp.body.jaxpr, p_k, p_c, [])
-        return _walk_back(sp, mode, consts, ran, cts[0], body_perturbed, anchors)
+        return _walk_back(sp, mode, consts, ran, cts[0], body_perturbed, anchors, first)
     nk, nc = sp.num_consts, sp.num_carry
     known_xs = (True,) * len(xs)
     known_ys = (True,) * (len(sp.body.jaxpr.outvars) - nc)
@@ -285,12 +335,14 @@ def backward(
             merge([None] * (nc - len(ran.stored)), ran.stored, mode.stored),
             anchors,
             [*perturbed[0], *perturbed[1], *perturbed[2]],
+            mode.derived,
+            first,
         )
     runtime_checks.raise_if_failed(top)
     return in_cts[:nk], in_cts[nk : nk + nc], in_cts[nk + nc :]
 
 
-def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
+def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors, first):
     """A while loop's backward pass: ``ran.steps`` steps back from the final
     carry, in one ``lax.while_loop``; each iteration gives its remaining-step
     counter to the testing hooks in :data:`.hooks.STEP_HOOKS`."""
@@ -300,6 +352,7 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
     # The decisions the body returns after its carry, stored per step.
     ct_decided = [ct.zeros(jx.aval(v)) for v in body_jaxpr.outvars[nc:]]
     n, bufs, hooks = ran.steps, ran.stored, tuple(STEP_HOOKS)
+    d, program = mode.derived, mode.program(body_jaxpr)
 
     def go(state):
         return state[0] > 0
@@ -315,12 +368,15 @@ def _walk_back(sp, mode, bk, ran, cts, perturbed, anchors):
             for group in (bufs, ran.ys)
         )
         outs, out_cts = list(c) + decided, list(ctc) + ct_decided
+        known, flags = list(bk) + kept, perturbed
+        if d is not None:
+            known += d.known([], m == 1, first)
+            outs, out_cts = outs + d.zeros(), out_cts + d.out_cts()
+            flags = list(perturbed) + [False] * d.extra
         with runtime_checks.scope() as sc:
-            prev, in_cts = run_plan(
-                mode.plan, body_jaxpr, list(bk) + kept, outs, out_cts, perturbed
-            )
+            prev, in_cts = run_plan(mode.plan, program, known, outs, out_cts, flags)
         bad = runtime_checks.merge(bad, sc, messages)
-        in_cts = ct.float_or_none(in_cts, k_avals + c_avals)
+        in_cts = ct.float_or_none(in_cts[: nk + len(c_avals)], k_avals + c_avals)
         ctk = ct.add_into(ctk, in_cts[:nk])
         prev = merge(prev, kept, mode.stored)
         if anchors is not None:

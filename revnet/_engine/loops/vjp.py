@@ -219,16 +219,17 @@ def _loop_vjp(
         if not rebuild:  # checkpointing starts from the initial carry
             ran = forward.Ran(ran.steps, list(carry), [], [], [])
         kept.loop(loop.kind, loop.sp, mode, every, loop.decided, consts, xs, ran)
-        return out, (consts, xs, ran, pb.Flags(flags))
+        first = [] if mode.derived is None else mode.derived.initial(carry)
+        return out, (consts, xs, ran, first, pb.Flags(flags))
 
     def bwd(res, cts):
-        consts, xs, ran, flags = res
+        consts, xs, ran, first, flags = res
         cts = loop.out_cts(pb.drop_symbolic_zeros(cts))
         perturbed = loop.perturbed(flags.value)
         if rebuild:
             anchors = None if every is None else anc.Anchors(every, ran.anchors, report)
             ct_k, ct_c, ct_x = invert.backward(
-                loop.sp, mode, consts, xs, ran, cts, perturbed, anchors
+                loop.sp, mode, consts, xs, ran, cts, perturbed, anchors, first
             )
         else:
             ct_k, ct_c, ct_x = checkpoint.backward(

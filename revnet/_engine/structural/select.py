@@ -30,10 +30,11 @@ import jax.numpy as jnp
 
 from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, registry, runtime_checks
-from revnet._engine.analysis import Analysis, abstract_solve
+from revnet._engine.analysis import Analysis
 from revnet._engine.errors import NotInvertibleError, degenerate
 from revnet._engine.interpreter import Handler, apply_eqn, register_handler
 from revnet._engine.plan import Select
+from revnet._engine.rule_check import abstract_solve
 
 
 class SelectRule(registry.StructuralRule):
