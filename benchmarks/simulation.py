@@ -1,7 +1,8 @@
 """Peers' time-steppers: revnet beside each peer's own way to differentiate them.
 
-Two workloads, the examples' own (``examples/md_nve.py``,
-``examples/neural_ode_heun.py``), each at several step counts:
+Three workloads, the examples' own (``examples/md_nve.py``,
+``examples/neural_ode_heun.py``, ``examples/fdtd_design.py``), each at
+several step counts:
 
 * **jax-md**: 16 soft spheres, jax-md's ``simulate.nve`` step unchanged;
   revnet inverting it (``mode="invert"``, ``decisions="recompute"``) against
@@ -10,6 +11,9 @@ Two workloads, the examples' own (``examples/md_nve.py``,
 * **diffrax**: a neural ODE, diffrax's ``ReversibleHeun().step`` unchanged;
   revnet inverting it against diffrax's own ``diffeqsolve`` with
   ``RecursiveCheckpointAdjoint`` and plain ``lax.scan``.
+* **fdtdx**: a 16 x 16 FDTD plane with periodic boundaries, fdtdx's update
+  unchanged; revnet inverting it against ``jax.checkpoint`` over ``lax.scan``
+  (fdtdx's ``checkpointed_fdtd``'s program).
 
 For each method and step count: the compiled temp memory and FLOPs of
 ``jit(grad(loss))`` (compiled, not run; a scan body's FLOPs are counted once),
@@ -38,12 +42,14 @@ RUN_UP_TO = 10_000  # longer runs are compiled only
 METHODS = {
     "jax-md": ("revnet", "checkpoint", "lax.scan"),
     "diffrax": ("revnet", "diffrax", "lax.scan"),
+    "fdtdx": ("revnet", "checkpoint"),
 }
-REFERENCE = {"jax-md": "checkpoint", "diffrax": "diffrax"}
+REFERENCE = {"jax-md": "checkpoint", "diffrax": "diffrax", "fdtdx": "checkpoint"}
 
 
 def _workload(name: str) -> tuple[Any, Any, Any]:
     """``(loss(steps, method), argument, example module)`` of a workload."""
+    import jax
     import jax.numpy as jnp
 
     if name == "jax-md":
@@ -51,9 +57,11 @@ def _workload(name: str) -> tuple[Any, Any, Any]:
         r0, p0 = md.initial_state()
         target = md.final_positions(jnp.log(1.2), r0, p0, 100, "lax")
         return (lambda n, m: md.loss_fn(n, m, r0, p0, target)), jnp.float32(0.0), md
+    if name == "fdtdx":
+        fdtd = measure.load_example_module("fdtd_design")
+        design = 0.3 * jax.random.normal(jax.random.PRNGKey(1), (4, 4, 1))
+        return (lambda n, m: fdtd.loss_fn(n, False, m)), design, fdtd
     ode = measure.load_example_module("neural_ode_heun")
-    import jax
-
     ky, kw = jax.random.split(jax.random.PRNGKey(0))
     y0 = jax.random.normal(ky, (ode.BATCH, ode.DIM))
     target = ode.targets(y0)
@@ -64,6 +72,8 @@ def _method_name(workload: str, method: str) -> str:
     """The examples' names for the methods (``lax`` for plain ``lax.scan``)."""
     if workload == "jax-md" and method == "lax.scan":
         return "lax"
+    if workload == "fdtdx":
+        return {"revnet": "invert", "checkpoint": "reference"}[method]
     return method
 
 

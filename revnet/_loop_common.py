@@ -172,6 +172,10 @@ def _name(fun: Any, default: str) -> str:
     return getattr(fun, "__name__", default)
 
 
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def _describe(avals: Any) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
 
@@ -216,7 +220,9 @@ def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
     loop's buffers. Without ``max_steps`` a while loop has no such room: its
     body is checkpointed, and ``mode="invert"`` raises one ValueError."""
     o, carry, rebuilt = options, range(body.nk, body.nk + body.nc), [False] * body.nk
-    rebuilt += [True] * body.nc + [False] * len(o.xs)
+    # Integer leaves (a step counter) are rebuilt exactly: a decision read from
+    # them alone is recomputed, never stored.
+    rebuilt += [_inexact(c) for c in body.carry] + [False] * len(o.xs)
     kw = dict(decisions=o.decisions, kinks=o.kinks)
     if o.bound is not None:  # a scan, or a while loop with max_steps
         exposed, mode = choose.exposed_mode(

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import revnet
 from revnet import NotInvertibleError, loops
 from revnet._engine import revolve
 from revnet._engine.loops.hooks import backward_steps, modes_chosen
@@ -787,3 +788,34 @@ def test_kinks_and_decisions_in_every_mode(loop, mode, kinks, decisions, dtype):
             tolerance(dtype, loops=True),
             what="gradient",
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_decision_on_an_integer_counter_is_recomputed_not_stored(dtype):
+    """An integer carry leaf (a step counter) is rebuilt exactly, so a jump
+    read from it alone (a time slot: the counter as a float, cast back to an
+    integer) is recomputed: the scan stores nothing per step, and the
+    gradient is autodiff's."""
+
+    def step(carry, w):
+        i, x, y = carry
+        t = i.astype(x.dtype) * 0.5  # a time from the counter, then a slot
+        sign = jnp.where(t.astype(jnp.int32) % 2 == 0, 1.0, -1.0).astype(x.dtype)
+        x = x + sign * jnp.tanh(y * w)
+        y = y + jnp.sin(x)
+        return (i + 1, x, y), None
+
+    def loss(run, x, ws):
+        (_, x, y), _ = run(step, (jnp.int32(0), x, x), ws)
+        return jnp.sum(x * y)
+
+    with jax.enable_x64(dtype == "float64"):
+        x = jnp.linspace(-1.0, 1.0, 4, dtype=dtype)
+        ws = jnp.linspace(0.5, 1.5, 20, dtype=dtype)
+        inverted = functools.partial(scan, mode="invert")
+        report = revnet.stored(functools.partial(loss, inverted), x, ws)
+        assert not [e for e in report.entries if e.steps and e.kind != "xs"], report
+        assert not report.by_kind().get("decision"), report.by_kind()
+        got = jax.grad(functools.partial(loss, inverted), (0, 1))(x, ws)
+        want = jax.grad(functools.partial(loss, lax.scan), (0, 1))(x, ws)
+        assert_trees_close(got, want, tolerance(dtype, loops=True), "gradient")

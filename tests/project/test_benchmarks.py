@@ -736,13 +736,17 @@ def test_budget_refuses_a_gpu_run_without_a_gpu_and_bad_budgets():
 def test_simulation_tiny(tmp_path):
     """Each peer's step, inverted: flat memory in the steps, under the peer's
     own method's, and its gradient."""
-    for package in ("jax_md", "diffrax"):
+    for package in ("jax_md", "diffrax", "fdtdx"):
         pytest.importorskip(package, reason="the simulation extra")
     res = tiny("simulation", tmp_path)
     assert "missing" not in res, res["missing"]
     temp = {(r["workload"], r["method"], r["steps"]): r for r in res["rows"]}
     lo, hi = res["steps"]
-    for workload, peer in (("jax-md", "checkpoint"), ("diffrax", "diffrax")):
+    for workload, peer in (
+        ("jax-md", "checkpoint"),
+        ("diffrax", "diffrax"),
+        ("fdtdx", "checkpoint"),
+    ):
         revnet_hi = temp[workload, "revnet", hi]["temp_bytes"]
         assert revnet_hi == temp[workload, "revnet", lo]["temp_bytes"], workload
         assert revnet_hi < temp[workload, peer, hi]["temp_bytes"], workload
