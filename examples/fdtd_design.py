@@ -161,10 +161,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     with warnings.catch_warnings(record=True) as seen:  # the check's one line
         warnings.simplefilter("always", revnet.DriftWarning)
-        jax.block_until_ready(jax.jit(jax.grad(loss_fn(steps, True, "invert")))(design))
-        jax.effects_barrier()
+        try:
+            grad = jax.jit(jax.grad(loss_fn(steps, True, "invert")))
+            jax.block_until_ready(grad(design))
+            jax.effects_barrier()
+            error = ""
+        except jax.errors.JaxRuntimeError as err:  # with run-time checks on
+            error = str(err).strip().splitlines()[-1]
     said = [str(w.message) for w in seen if w.category is revnet.DriftWarning]
-    refused = said[0] if said else ""
+    refused = said[0] if said else error
     print(f"PML, inverted: {refused[:150] + '...' if refused else 'not refused'}")
     pml = {
         m: jax.jit(jax.grad(loss_fn(steps, True, m)))
