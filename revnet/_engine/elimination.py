@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from revnet._engine import jaxpr as jx
-from revnet._engine import runtime_checks
+from revnet._engine import log_det, runtime_checks
 from revnet._engine.interpreter import Handler, apply_eqn, register_handler
 from revnet._engine.linear_forms import (
     ONE,
@@ -71,6 +71,12 @@ class Eliminate:
     avals: tuple[tuple[tuple[int, ...], str], ...]
     coefficient: tuple
     dtype: str
+
+    @property
+    def eqn(self) -> int:
+        """The equation computing the first known value used (named in
+        messages)."""
+        return self.rows[0][1][-1]
 
 
 def eliminate(an: Any) -> tuple[Eliminate, list[int]] | None:
@@ -244,4 +250,19 @@ def _known_part(it: Any, v: int, cone: Sequence[int], step: Eliminate) -> Any:
     return env[v]
 
 
+class _NoTerms(log_det.TermRule):
+    """Log-determinants through unknowns solved together are not derived."""
+
+    def has_terms(self, step, eqn):
+        return True
+
+    def term(self, ev, step):
+        raise log_det.refusal(
+            ev.jaxpr.eqns[step.eqn],
+            "its unknowns are solved together with other equations' (linear "
+            "elimination), and revnet derives no log-determinant through that",
+        )
+
+
 register_handler(Eliminate, _EliminateHandler())
+log_det.register_term_rule(Eliminate, _NoTerms())

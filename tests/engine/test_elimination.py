@@ -110,3 +110,11 @@ def test_the_solved_value_matches_the_original_in_both_dtypes():
             assert back[0].dtype == jnp.dtype(dtype)
             np.testing.assert_allclose(back[0], a, atol=4 * jnp.finfo(dtype).eps)
             np.testing.assert_allclose(back[1], b, atol=4 * jnp.finfo(dtype).eps)
+
+
+def test_a_log_det_through_elimination_is_refused_in_one_line():
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        revnet.forward_and_log_det(_sum_and_difference, *_args("float64"))
+    text = str(info.value)
+    assert "\n" not in text and "linear elimination" in text, text
+    assert f"{__file__}:" in text, text
