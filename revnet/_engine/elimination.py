@@ -82,6 +82,13 @@ class Eliminate:
 def eliminate(an: Any) -> tuple[Eliminate, list[int]] | None:
     """A step solving one unknown of the stuck analysis ``an`` by linear
     elimination, and the variables it produces; None when there is none."""
+    try:
+        return _eliminate(an)
+    except RecursionError:  # a chain deeper than Python's stack: not solved
+        return None
+
+
+def _eliminate(an: Any) -> tuple[Eliminate, list[int]] | None:
     floats = [a for a in an.avals if is_inexact(a)]
     if not floats:
         return None
@@ -123,7 +130,7 @@ def eliminate(an: Any) -> tuple[Eliminate, list[int]] | None:
         weights, coefficient = found
         used = [(rows[r][0], rows[r][2], frozen(w)) for r, w in enumerate(weights) if w]
         read = {a for r, w in enumerate(weights) if w for a in rows[r][1]}
-        read = sorted({v for a in read for v in forms.aliases.get(a, {a})})
+        read = sorted(read)
         step = Eliminate(
             target,
             tuple(used),

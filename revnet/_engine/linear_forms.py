@@ -3,8 +3,10 @@ times polynomial coefficients in known values, plus a known part.
 
 :class:`Forms` writes a stuck analysis's values this way through ``add``,
 ``sub``, ``neg``, a ``mul`` or ``div`` by a known value, and same-shape
-conversions; any other equation on unknowns makes an *atom* (the same
-primitive on the same atoms twice is one atom). Coefficients are polynomials
+conversions; any other equation on unknowns makes an *atom* (programs are
+traced with duplicate equations merged, so ``sin(x)`` written twice is one
+atom). Forms and polynomials past :data:`MAX_TERMS` terms are atoms too, so
+that the work stays small on large programs. Coefficients are polynomials
 in known values (``h``, ``1/m``) with float64 factors; each remembers the
 magnitude of the terms it was summed from, and a sum that cancels to within
 ``tol`` of that magnitude is zero (:func:`clean`). :mod:`.elimination` solves
@@ -21,6 +23,9 @@ import numpy as np
 
 from revnet._engine import jaxpr as jx
 
+# A form with more atoms, or a polynomial with more monomials, is an atom.
+MAX_TERMS = 24
+
 _PASS = ("convert_element_type", "copy", "copy_p")
 
 # A polynomial in known values: monomial -> coefficient. A monomial is a
@@ -36,34 +41,9 @@ class Forms:
         self.forms: dict[int, dict | None] = {}
         self.cones: dict[int, tuple[int, ...]] = {}
         self.polys: dict[int, Poly | None] = {}
-        self.same: dict = {}  # an equation's key -> the first variable it made
-        self.aliases: dict = {}  # that variable -> every variable made so
 
     def clean(self, p: Poly) -> Poly:
         return clean(p, self.tol)
-
-    def atom(self, v: int) -> int:
-        """The variable standing for ``v``: the first one computed the same
-        way (the same primitive and parameters on the same atoms), so that
-        ``sin(x)`` written twice is one atom."""
-        i, eqn = self._eqn(v)
-        if eqn is None or len(eqn.outvars) != 1 or eqn.effects:
-            return v
-        try:
-            ins = tuple(
-                ("v", self.atom(u))
-                if u is not None
-                else ("l", jx.literal_key(eqn.invars[n]))
-                for n, u in enumerate(self.an.wiring.eqn_ins[i])
-            )
-            params = tuple(sorted(jx.key_params(eqn).items()))
-            key = (jx.primitive_name(eqn), ins, params)
-            hash(key)
-        except TypeError:  # parameters that cannot be compared
-            return v
-        first = self.same.setdefault(key, v)
-        self.aliases.setdefault(first, {first}).add(v)
-        return first
 
     def _eqn(self, v: int):
         i = self.an.eqn_of.get(v)
@@ -101,7 +81,7 @@ class Forms:
             out = times(polys[0], {(): Coef(-1.0)})
         elif name in (*_PASS, "broadcast_in_dim") and polys[0] is not None:
             out = polys[0] if is_inexact(self.an.avals[v]) else None
-        if out is not None:
+        if out is not None and len(out) <= MAX_TERMS:
             self.polys[v] = out
         return self.polys[v]
 
@@ -122,14 +102,14 @@ class Forms:
             return {}
         if v in self.forms and not expand:
             return self.forms[v]
-        atom = {self.atom(v): {(): ONE}}
+        atom = {v: {(): ONE}}
         i, eqn = self._eqn(v)
         out, cone = atom, ()
         if eqn is not None and is_inexact(an.avals[v]):
             name = jx.primitive_name(eqn)
             ops = [self._operand(i, n) for n in range(len(eqn.invars))]
             got = self._expand(v, name, ops)
-            if got is not None:
+            if got is not None and len(got[0]) <= MAX_TERMS:
                 out, inner = got
                 cone = tuple(sorted({*inner, i}))
         if not expand:
@@ -147,7 +127,7 @@ class Forms:
             sign = -1 if name == "sub" else 1
             out = _combine(parts[0][0], parts[1][0], sign, self.tol)
             return out, parts[0][1] + parts[1][1]
-        if name == "neg" or (name in _PASS and self._float_operand(ops[0])):
+        if name == "neg" or (name in _PASS and self._widening(ops[0], v)):
             part = self._part(ops[0], shape)
             if part is None:
                 return None
@@ -165,8 +145,14 @@ class Forms:
             return None
         return _apply(part[0], factor), part[1]
 
-    def _float_operand(self, op: tuple) -> bool:
-        return op[0] is not None and is_inexact(self.an.avals[op[0]])
+    def _widening(self, op: tuple, v: int) -> bool:
+        """Whether a conversion of ``op`` to ``v``'s type keeps every value
+        (a float cast to a float type at least as wide): a narrowing cast
+        loses digits and is left to the rules, which refuse it."""
+        if op[0] is None or not is_inexact(self.an.avals[op[0]]):
+            return False
+        src, dst = self.an.avals[op[0]].dtype, self.an.avals[v].dtype
+        return jnp.promote_types(src, dst) == dst
 
     def _part(self, op: tuple, shape: tuple):
         """An operand's form and cone: ``({}, ())`` when known."""

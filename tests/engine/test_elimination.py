@@ -118,3 +118,14 @@ def test_a_log_det_through_elimination_is_refused_in_one_line():
     text = str(info.value)
     assert "\n" not in text and "linear elimination" in text, text
     assert f"{__file__}:" in text, text
+
+
+def test_a_narrowing_cast_is_not_taken_for_a_linear_map():
+    """float32 to bfloat16 loses digits: the program stays refused, though
+    its other equation ties the same unknowns linearly."""
+
+    def narrowed(a, b):
+        return a - jax.nn.relu(b) * 0.477, b.astype(jnp.bfloat16)
+
+    with pytest.raises(revnet.NotInvertibleError):
+        revnet.inverse(narrowed, *_args("float32"))
