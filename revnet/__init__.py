@@ -77,6 +77,8 @@ True
 from revnet import exact, rules  # noqa: F401  (rules: the built-in inverse rules)
 from revnet._engine import NotInvertibleError, register_inverse
 from revnet._engine.runtime_checks import set_runtime_checks
+from revnet._forward_and_log_det import forward_and_log_det
+from revnet._stored import StoredGrowthWarning, stored
 from revnet.drift import (
     DriftError,
     DriftMonitor,
@@ -86,10 +88,8 @@ from revnet.drift import (
 )
 from revnet.invertible import inverse, invertible
 from revnet.ivjp import custom_ivjp
-from revnet.logdet import forward_and_log_det
 from revnet.loops import scan, while_loop
 from revnet.marks import decision, kink
-from revnet.stored import StoredGrowthWarning, stored
 
 __version__ = "0.1.0"
 

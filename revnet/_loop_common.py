@@ -26,10 +26,10 @@ from revnet._engine import (
     boundary,
     cannot_store,
     choose,
-    expose,
     leaf_paths,
     lost_leaves,
     not_invertible,
+    reverse_mode_only,
     row,
     struct,
     trace,
@@ -223,15 +223,14 @@ def backward_mode(body: TracedBody, options: Options) -> tuple[Any, Any, tuple]:
     # Integer leaves (a step counter) are rebuilt exactly: a decision read from
     # them alone is recomputed, never stored.
     rebuilt += [_inexact(c) for c in body.carry] + [False] * len(o.xs)
-    kw = dict(decisions=o.decisions, kinks=o.kinks)
     if o.bound is not None:  # a scan, or a while loop with max_steps
         exposed, mode = choose.exposed_mode(
-            body.jaxpr, rebuilt, carry, o.mode, body.fail, **kw
+            body.jaxpr, rebuilt, carry, o.mode, body.fail, o.storage
         )
         extra = 0 if mode.kind == choose.CHECKPOINT else exposed.n
         return (exposed.jaxpr if extra else body.jaxpr), mode, exposed.kept[:extra]
     mode = o.mode
-    exposed = expose(body.jaxpr, rebuilt, **kw)
+    exposed = o.storage.expose(body.jaxpr, rebuilt)
     if exposed.n:
         if mode == choose.INVERT:
             k = exposed.kept[0]
@@ -283,13 +282,4 @@ def reporter(options: Options, body: TracedBody) -> Any:
 
 def call(loop: str, run: Callable[..., Any], *args: Any) -> Any:
     """``run(*args)``, naming revnet's loop when forward mode reaches it."""
-    try:
-        return run(*args)
-    except TypeError as e:
-        if "forward-mode" not in str(e):
-            raise
-        raise TypeError(
-            f"revnet.{loop} is differentiable in reverse mode only (jax.grad, "
-            "jax.vjp, jax.jacrev, and jax.hessian, which is forward-over-reverse); "
-            "forward mode (jax.jvp, jax.jacfwd) was applied to it"
-        ) from None
+    return reverse_mode_only(f"revnet.{loop}", run, *args)

@@ -28,8 +28,8 @@ from revnet._checks import (
 )
 from revnet._engine import (
     INT32_MAX,
+    Storage,
     boundary,
-    check_options,
     choose,
     revolve,
 )
@@ -58,14 +58,15 @@ UNSET: Any = object()
 _FROM_INVERT = {None: choose.AUTO, True: choose.INVERT, False: choose.CHECKPOINT}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """A loop's options, checked.
 
     ``bound`` is a while loop's ``max_steps`` (or None) and a scan's number of
     steps; ``slots`` the number of snapshots when checkpointing;
     ``anchor_every`` the anchor interval (the whole loop when only ``drift``
-    asks for anchors). A scan's ``xs`` are arrays, with their ``x_tree``, and
+    asks for anchors); ``storage`` what is stored per step besides the carry
+    (decisions, kinks). A scan's ``xs`` are arrays, with their ``x_tree``, and
     ``again`` holds its keyword options, to make it again under ``jax.vmap``.
     ``check`` is the boundary check's mode for this loop when it is not the
     setting's (armed against damping: :func:`revnet._loop_common.armed`).
@@ -77,8 +78,7 @@ class Options:
     mode: str
     anchor_every: int | None
     drift: DriftMonitor | None
-    decisions: str
-    kinks: str
+    storage: Storage
     reverse: bool = False
     unroll: int | bool = 1
     xs: list = dataclasses.field(default_factory=list)
@@ -127,49 +127,64 @@ def _mode(where: str, mode: Any, invert: Any) -> str:
     return str(mode)
 
 
-def while_options(
-    cond_fun: Any, body_fun: Any, max_steps: Any, shared: tuple
-) -> Options:
-    """The options of ``revnet.while_loop`` checked; ``bound`` is ``max_steps``.
+def _shared(
+    loop: str,
+    bound: int | None,
+    *,
+    checkpoints: Any,
+    mode: Any,
+    invert: Any,
+    anchor_every: Any,
+    drift: Any,
+    **storage: Any,
+) -> dict:
+    """The options both loops take, checked: :class:`Options`' fields
+    (``storage``: the fields of :class:`revnet._engine.Storage`, as given)."""
+    return dict(
+        loop=loop,
+        bound=bound,
+        storage=Storage.checked(loop, **storage),
+        mode=_mode(loop, mode, invert),
+        anchor_every=_positive(loop, "anchor_every", anchor_every),
+        drift=check_monitor(loop, "drift", drift),
+        slots=check_checkpoints(loop, checkpoints, bound),
+    )
 
-    ``shared`` holds the options both loops take: ``(checkpoints, mode,
-    invert, anchor_every, drift, decisions, kinks)``.
-    """
-    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
-    check_options(decisions, kinks, WHILE)
+
+def while_options(
+    cond_fun: Any, body_fun: Any, max_steps: Any, **shared: Any
+) -> Options:
+    """The options of ``revnet.while_loop`` checked, as it was given them
+    (``shared``: the keyword options both loops take); ``bound`` is
+    ``max_steps``."""
     check_callable(WHILE, "cond_fun", cond_fun)
     check_callable(WHILE, "body_fun", body_fun)
     bound = _positive(WHILE, "max_steps", max_steps, 0)
     if bound is not None and bound > INT32_MAX:
         raise fail(WHILE, "max_steps", bound, f"at most {INT32_MAX}", ValueError)
-    slots = check_checkpoints(WHILE, checkpoints, bound)
-    mode = _mode(WHILE, mode, invert)
-    if mode == "store" and bound is None:
+    o = _shared(WHILE, bound, **shared)
+    if o["mode"] == "store" and bound is None:
         raise ValueError(
             "while_loop: mode='store' stores carry leaves at every step and needs "
             "max_steps (room for that many steps); give max_steps, or use "
             "mode='checkpoint'"
         )
-    anchor_every = _positive(WHILE, "anchor_every", anchor_every)
-    drift = check_monitor(WHILE, "drift", drift)
-    if anchor_every is not None and bound is None:
+    if o["anchor_every"] is not None and bound is None:
         raise ValueError(
             "while_loop: anchor_every needs max_steps (room for the anchors is "
-            f"made for max_steps steps), got anchor_every={anchor_every} and "
+            f"made for max_steps steps), got anchor_every={o['anchor_every']} and "
             "max_steps=None"
         )
-    if (drift is not None or boundary.active()) and anchor_every is None:
-        anchor_every = INT32_MAX if bound is None else max(bound, 1)
-    return Options(WHILE, bound, slots, mode, anchor_every, drift, decisions, kinks)
+    if (o["drift"] is not None or boundary.active()) and o["anchor_every"] is None:
+        o["anchor_every"] = INT32_MAX if bound is None else max(bound, 1)
+    return Options(**o)
 
 
 def scan_options(
-    f: Any, xs: Any, length: Any, reverse: Any, unroll: Any, shared: tuple
+    f: Any, xs: Any, length: Any, reverse: Any, unroll: Any, **shared: Any
 ) -> Options:
     """The options of ``revnet.scan`` checked, as :func:`while_options`;
     ``bound`` is the number of steps, from ``length`` and ``xs``."""
-    checkpoints, mode, invert, anchor_every, drift, decisions, kinks = shared
-    check_options(decisions, kinks, SCAN)
     check_callable(SCAN, "f", f)
     length = _positive(SCAN, "length", length, 0)
     expected = "a bool known at trace time (True or False)"
@@ -179,19 +194,18 @@ def scan_options(
     else:
         expected = "a bool or a non-negative integer known at trace time"
         unroll = check_int(SCAN, "unroll", unroll, 0, expected)
-    mode = _mode(SCAN, mode, invert)
-    anchor_every = _positive(SCAN, "anchor_every", anchor_every)
-    drift = check_monitor(SCAN, "drift", drift)
-    again = dict(checkpoints=checkpoints, mode=mode, anchor_every=anchor_every)
-    again |= dict(drift=drift, decisions=decisions, kinks=kinks)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     x_leaves = [jnp.asarray(x) for x in x_leaves]
     n = _scan_length(x_leaves, length)
-    slots = check_checkpoints(SCAN, checkpoints, n)
-    if (drift is not None or boundary.active()) and anchor_every is None:
-        anchor_every = max(n, 1)  # the initial carry only: the boundary check
-    checked = (mode, anchor_every, drift, decisions, kinks)
-    return Options(SCAN, n, slots, *checked, reverse, unroll, x_leaves, x_tree, again)
+    o = _shared(SCAN, n, **shared)
+    # Its keyword options, checked, to make it again under jax.vmap.
+    again = {k: o[k] for k in ("mode", "anchor_every", "drift")}
+    again |= dict(checkpoints=shared["checkpoints"], **dataclasses.asdict(o["storage"]))
+    if (o["drift"] is not None or boundary.active()) and o["anchor_every"] is None:
+        o["anchor_every"] = max(n, 1)  # the initial carry only: the boundary check
+    return Options(
+        **o, reverse=reverse, unroll=unroll, xs=x_leaves, x_tree=x_tree, again=again
+    )
 
 
 def _scan_length(xs_leaves: list, length: int | None) -> int:

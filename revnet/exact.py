@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 
 from revnet._checks import check_int
-from revnet._engine import exact as marks
+from revnet._engine import exact as exact_calls
 
 __all__ = ["RANGE_BITS", "add", "bits_for", "grid", "limit"]
 
@@ -84,8 +84,8 @@ def _mantissa(where: str, dtype: Any) -> int:
       TypeError: If ``dtype`` is not float32 or float64.
     """
     dtype = jnp.dtype(dtype)
-    if dtype in marks.MANTISSA:
-        return marks.MANTISSA[dtype]
+    if dtype in exact_calls.MANTISSA:
+        return exact_calls.MANTISSA[dtype]
     if jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"{where}: exact mode needs a float32 or float64 stream, got {dtype}: "
@@ -137,7 +137,7 @@ def limit(dtype: Any, bits: int) -> float:
       TypeError: If ``dtype`` is not float32 or float64.
     """
     _mantissa("revnet.exact.limit", dtype)
-    return marks.limit(dtype, bits)
+    return exact_calls.limit(dtype, bits)
 
 
 def _round(x: jax.Array, bits: int) -> jax.Array:
@@ -163,7 +163,7 @@ def _grid_fn(bits: int) -> Any:
     def grid(x):
         return _round(x, bits)
 
-    grid.__name__ = marks.GRID  # the engine solves it as the identity
+    grid.__name__ = exact_calls.GRID  # the engine solves it as the identity
     return _straight_through(grid)
 
 
@@ -172,7 +172,7 @@ def _add_fn(bits: int, label: str) -> Any:
     def add(x, d):
         return x + _round(d, bits)
 
-    add.__name__ = marks.add_name(bits, label)  # the engine guards its inverse
+    add.__name__ = exact_calls.add_name(bits, label)  # the engine guards its inverse
     return _straight_through(add)
 
 

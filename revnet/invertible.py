@@ -60,139 +60,72 @@ import numpy as np
 
 from revnet._engine import (
     Interpreter,
-    NotInvertibleError,
-    Plan,
-    Stuck,
-    analyze,
+    Storage,
     aval,
-    check_options,
-    expose,
     known_args,
-    not_invertible,
+    plan_call,
+    prepare,
+    reverse_mode_only,
     reversible_call,
     runtime_checks,
-    sharding,
+    sharded_types,
     struct,
-    trace,
-    trace_program,
 )
 
 __all__ = ["inverse", "invertible"]
 
 
-def _check_args(args: tuple, fname: str) -> None:
-    for leaf in jax.tree_util.tree_leaves(args):
-        if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float)):
-            raise TypeError(
-                f"{fname}: positional arguments must be pytrees of arrays, got a leaf "
-                f"of type {type(leaf).__name__}"
-            )
+class Invertible:
+    """A function decorated with :func:`invertible`: its options, and the call.
 
-
-def _plan(
-    jaxpr: Any, n_consts: int, n_args: int, paths, fname: str, *, traced: bool = True
-) -> Plan:
-    """The plan rebuilding the arguments from the outputs, or the user's error.
-
-    ``traced``: whether a call of the function is being traced (False for
-    :func:`inverse`), which the error explains.
+    Attributes:
+      fun: The function.
+      storage: What its forward pass stores (decisions, kinks).
+      known_argnums: The positions of its known arguments.
     """
-    known_in = (True,) * n_consts + (False,) * n_args
-    try:
-        return analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
-    except Stuck as stuck:
-        raise not_invertible(stuck, paths(), n_consts, fname, traced=traced) from None
 
-
-def _refuse(jaxpr, n_consts, n_args, args, known, paths, fname) -> None:
-    """Raises the program's own refusal, if it has one; where it is stuck for
-    want of an argument that saving instead of rebuilding would give (weights
-    passed as an argument), its ``try:`` line names ``known_argnums``."""
-    known_in = (True,) * n_consts + (False,) * n_args
-    try:
-        analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
-    except Stuck as stuck:
-        error = not_invertible(stuck, paths(), n_consts, fname)
-        hint = known_args.suggestion(stuck, jaxpr, n_consts, args, known)
-        if hint is None:
-            raise error from None
-        head = str(error).split("\ntry:")[0]  # the more specific remedy
-        raise NotInvertibleError(f"{head}\n{hint}") from None
-
-
-def exposed_plan(
-    jaxpr: Any, n_consts: int, args: tuple, known, paths, fname: str, options: Any
-) -> tuple[Any, Plan]:
-    """The program with its stored decisions exposed, and the plan inverting it.
-
-    ``options`` has the ``decisions`` and ``kinks`` to use. Raises the user's
-    :class:`NotInvertibleError` when the program cannot be inverted.
-    """
-    n_args = len(jaxpr.invars) - n_consts
-    rebuilt = [False] * n_consts + [True] * n_args
-    kw = dict(decisions=options.decisions, kinks=options.kinks)
-    exposed = expose(jaxpr, rebuilt, **kw)
-    try:
-        return exposed, _plan(exposed.jaxpr, n_consts, n_args, paths, fname)
-    except NotInvertibleError:
-        # A continuous select on the inverted path whose predicate is not
-        # computed from its rebuilt cases is solved with its predicate known:
-        # store those predicates too.
-        strict = expose(jaxpr, rebuilt, **kw, soft=False)
-        try:
-            return strict, _plan(strict.jaxpr, n_consts, n_args, paths, fname)
-        except NotInvertibleError:
-            # The program's own refusal names its equation, not the one that
-            # stores a decision.
-            _refuse(jaxpr, n_consts, n_args, args, known, paths, fname)
-            raise
-
-
-class _Invertible:
     def __init__(
         self,
         fun: Callable[..., Any],
-        decisions: str,
-        kinks: str,
+        storage: Storage,
         known_argnums: tuple[int, ...] = (),
     ):
         # Names and docs only: copying ``fun.__dict__`` would replace ``self.fun``
         # by a ``custom_ivjp``'s own ``fun`` and drop its inverse.
         functools.update_wrapper(self, fun, updated=())
         self.fun = fun
-        self.decisions, self.kinks = decisions, kinks
+        self.storage = storage
         self.known_argnums = known_argnums
 
-    def __call__(self, *args):
-        fname = getattr(self.fun, "__name__", "function")
-        known = known_args.positions(self.known_argnums, len(args), fname)
-        fun, rest = known_args.close_over(self.fun, args, known)
-        _check_args(rest, fname)
-        flat_args, in_tree = jax.tree_util.tree_flatten(rest)
-
-        def flat_fun(*flat):
-            return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
-
-        paths = lambda: known_args.rebuilt_paths(args, known)  # noqa: E731
-        out_tree = []
+    def __call__(self, *args, **kwargs):
+        name = getattr(self.fun, "__name__", "function")
+        # Keyword arguments are known: closed over, so saved and differentiated
+        # like the values ``fun`` closes over.
+        fun = functools.partial(self.fun, **kwargs) if kwargs else self.fun
+        program = prepare(fun, args, self.known_argnums, self.storage, name=name)
 
         def again(flat_fun, flat_args):
-            jaxpr, program, consts, tree = trace_program(flat_fun, flat_args)
-            out_tree.append(tree)
-            exposed, plan = exposed_plan(
-                jaxpr, len(consts), args, known, paths, fname, self
-            )
-            # The plan is cached by structure; the call closes over this
-            # trace's jaxpr (its rules and nested constants).
-            return reversible_call.call(
-                jaxpr, program, exposed, plan, consts, flat_args, again, fname
-            )
+            # Under jax.vmap: the batched program, traced and planned anew.
+            p = plan_call(program.call, self.storage, fun=flat_fun, args=flat_args)
+            return _call(p, again)
 
-        outs = again(flat_fun, flat_args)
-        return jax.tree_util.tree_unflatten(out_tree[0], outs)
+        outs = _call(program, again)
+        return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
     def inverse(self, *example_args):
         return inverse(self, *example_args, known_argnums=self.known_argnums)
+
+
+def _call(program: Any, again: Callable[..., Any]) -> list:
+    """The reversible call of ``program`` on its arguments. The plan is cached
+    by structure; the call closes over this trace's jaxpr (its rules and
+    nested constants)."""
+    p = program
+    return reverse_mode_only(
+        f"revnet.invertible({p.call.name})",
+        reversible_call.call,
+        *(p.jaxpr, p.program, p.exposed, p.plan, p.consts, p.args, again, p.call.name),
+    )
 
 
 def invertible(
@@ -262,10 +195,13 @@ def invertible(
         loss = lambda p, x: jnp.sum(revnet.invertible(stack, known_argnums=0)(p, x))
         grads = jax.grad(loss, (0, 1))(jnp.zeros((8, 2, 2)), jnp.ones((3, 4)))
 
+    **Keyword arguments** of a call (``f(x, context=c)``) are known, as the
+    values ``fun`` closes over are: saved, not rebuilt, and differentiated.
+
     Args:
       fun: a function of positional arguments that are pytrees of arrays
         (floating, or integers updated invertibly such as counters), returning a
-        pytree of arrays.
+        pytree of arrays; it may take keyword arguments too, which are known.
       known_argnums: the positions of arguments that are not rebuilt (weights,
         parameters, conditioning inputs): saved by the forward pass like the
         values ``fun`` closes over, and differentiated. Their leaves may be of
@@ -291,19 +227,19 @@ def invertible(
         cannot be stored where it sits (inside a ``lax.while_loop`` or a
         ``shard_map``), naming it and what to do.
     """
-    check_options(decisions, kinks, "invertible")
+    storage = Storage.checked("invertible", decisions=decisions, kinks=kinks)
     known = known_args.argnums(known_argnums, "invertible")
     if fun is None:
         return functools.partial(
             invertible, known_argnums=known, decisions=decisions, kinks=kinks
         )
-    if isinstance(fun, _Invertible):
-        if (fun.decisions, fun.kinks, fun.known_argnums) == (decisions, kinks, known):
+    if isinstance(fun, Invertible):
+        if (fun.storage, fun.known_argnums) == (storage, known):
             return fun
         fun = fun.fun
     if not callable(fun):
         raise TypeError(f"invertible expects a callable, got {fun!r}")
-    return _Invertible(fun, decisions, kinks, known)
+    return Invertible(fun, storage, known)
 
 
 def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
@@ -322,7 +258,7 @@ def _as_output(o: Any, want: Any, n: int, fname: str) -> jax.Array:
             f"{want.dtype}{list(want.shape)} as {fname} returns, got "
             f"{dtype}{list(x.shape)}"
         )
-    return sharding.cast_like(
+    return sharded_types.cast_like(
         x if x.dtype == want.dtype else x.astype(want.dtype), want
     )
 
@@ -335,7 +271,7 @@ def _auto_placement(a: Any) -> Any:
     s = getattr(a, "sharding", None)
     if not isinstance(s, jax.sharding.NamedSharding):
         return None
-    if sharding.explicit_spec(jax.typeof(a), a.ndim) is not None:
+    if sharded_types.explicit_spec(jax.typeof(a), a.ndim) is not None:
         return None  # a type: cast_like already gave it
     return s
 
@@ -385,31 +321,32 @@ def inverse(
         inv = revnet.inverse(block, x1, x2)
         x1_again, x2_again = inv(block(x1, x2))
     """
-    base = fun.fun if isinstance(fun, _Invertible) else fun
+    base = fun.fun if isinstance(fun, Invertible) else fun
     fname = getattr(base, "__name__", "function")
     if known_argnums is None:
-        known_argnums = fun.known_argnums if isinstance(fun, _Invertible) else ()
+        known_argnums = fun.known_argnums if isinstance(fun, Invertible) else ()
     known = known_args.given(known_argnums, example_args, fname)
-    given = example_args
-    base, example_args = known_args.close_over(base, example_args, known)
-    structs = jax.tree_util.tree_map(_example_struct, example_args)
-    flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
-    placements = [_auto_placement(a) for a in jax.tree_util.tree_leaves(example_args)]
+    # Shapes and dtypes of the rebuilt arguments; the known ones as given.
+    args = tuple(
+        a if i in known else jax.tree_util.tree_map(_example_struct, a)
+        for i, a in enumerate(example_args)
+    )
+    placements = [
+        _auto_placement(a)
+        for i, x in enumerate(example_args)
+        if i not in known
+        for a in jax.tree_util.tree_leaves(x)
+    ]
 
-    def flat_fun(*flat):
-        return base(*jax.tree_util.tree_unflatten(in_tree, flat))
-
-    def paths():
-        return known_args.rebuilt_paths(given, known)
+    def program():
+        return prepare(base, args, known, None, name=fname, traced=False)
 
     # Analyse once, now, so that errors surface at the call to ``inverse``.
-    jaxpr0, consts0, out_tree = trace(flat_fun, flat_structs)
-    _plan(jaxpr0, len(consts0), len(flat_structs), paths, fname, traced=False)
+    out_tree = program().out_tree
 
     def inv(outputs):
         # Re-trace so that closed-over values are those of the current context.
-        jaxpr, consts, _ = trace(flat_fun, flat_structs)
-        plan = _plan(jaxpr, len(consts), len(flat_structs), paths, fname, traced=False)
+        p = program()
         flat_out, tree = jax.tree_util.tree_flatten(outputs)
         if tree != out_tree:
             raise TypeError(
@@ -418,14 +355,12 @@ def inverse(
             )
         flat_out = [
             _as_output(o, aval(v), n, fname)
-            for n, (o, v) in enumerate(zip(flat_out, jaxpr.outvars))
+            for n, (o, v) in enumerate(zip(flat_out, p.jaxpr.outvars))
         ]
         with runtime_checks.scope() as sc:
-            values = Interpreter(plan, jaxpr, list(consts), flat_out).values()
+            values = Interpreter(p.plan, p.jaxpr, list(p.consts), flat_out).values()
         runtime_checks.raise_if_failed(sc)
         values = [_placed(v, s) for v, s in zip(values, placements)]
-        return known_args.merge(
-            given, known, jax.tree_util.tree_unflatten(in_tree, values)
-        )
+        return p.call.inputs(values)
 
     return inv

@@ -166,8 +166,18 @@ def while_loop(
         ``checkpoints`` or ``anchor_every`` is below 1, or ``anchor_every`` is
         given without ``max_steps``.
     """
-    shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
-    o = loop_options.while_options(cond_fun, body_fun, max_steps, shared)
+    o = loop_options.while_options(
+        cond_fun,
+        body_fun,
+        max_steps,
+        checkpoints=checkpoints,
+        mode=mode,
+        invert=invert,
+        anchor_every=anchor_every,
+        drift=drift,
+        decisions=decisions,
+        kinks=kinks,
+    )
     body = common.traced_body(body_fun, "body_fun", init_val, "init_val", o)
     cond_jaxpr, cond_consts = common.traced_cond(cond_fun, body)
     jaxpr, chosen, decided = common.backward_mode(body, o)
@@ -291,8 +301,20 @@ def scan(
         or ``unroll`` is negative, or when ``checkpoints`` or ``anchor_every``
         is below 1.
     """
-    shared = (checkpoints, mode, invert, anchor_every, drift, decisions, kinks)
-    o = loop_options.scan_options(f, xs, length, reverse, unroll, shared)
+    o = loop_options.scan_options(
+        f,
+        xs,
+        length,
+        reverse,
+        unroll,
+        checkpoints=checkpoints,
+        mode=mode,
+        invert=invert,
+        anchor_every=anchor_every,
+        drift=drift,
+        decisions=decisions,
+        kinks=kinks,
+    )
     body = common.traced_body(f, "f", init, "init", o)
     jaxpr, chosen, decided = common.backward_mode(body, o)
     o = common.armed(o, body, jaxpr, chosen)
@@ -304,8 +326,11 @@ def scan(
     def again(fun, c, x):  # under jax.vmap: the scan of the batched body
         return scan(fun, c, x, o.bound, o.reverse, o.unroll, **o.again)
 
+    # The named refusal of forward mode, around the call and what it runs.
     run_scan = lambda *g: common.call("scan", run, *g)  # noqa: E731
-    final, ys = scan_call(
-        body.program, o.bound, run_scan, body.consts, body.carry, o.xs, again
+    final, ys = common.call(
+        "scan",
+        scan_call,
+        *(body.program, o.bound, run_scan, body.consts, body.carry, o.xs, again),
     )
     return body.unflatten(list(final) + ys)

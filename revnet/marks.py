@@ -1,6 +1,6 @@
 """Marks that say how a select's predicate is treated on rebuilt values.
 
-revnet classes a select from the program (:mod:`revnet._engine.continuity`):
+revnet classes a select from the program (:mod:`revnet._engine.decisions.continuity`):
 one whose cases agree where its predicate switches (``leaky_relu``'s
 ``where(x >= 0, x, 0.01 * x)``) is a kink and is recomputed; one it cannot
 prove continuous keeps its predicate stored. Wrap a predicate in

@@ -22,8 +22,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # dtype name (the fuzzer's by program family). Look them up with ``tolerance``.
 RTOL = {
     # One function against plain autodiff, measured against the largest value
-    # of each compared tree.
-    "autodiff": {"float32": 1e-5, "float64": 1e-10},
+    # of each compared tree. Half precision gets the fuzzer's margin below.
+    "autodiff": {
+        "float32": 1e-5,
+        "float64": 1e-10,
+        "float16": 2e-2,
+        "bfloat16": 2e-2,
+    },
     # Gradients carried back through tens of reconstructed steps (loop modes,
     # anchors, stacks): each inverted step adds float32 rounding to the carry
     # it rebuilds, so float32 gets twice the single-function tolerance.
@@ -31,13 +36,31 @@ RTOL = {
     # Sharded against single-device runs, elementwise and absolute: the
     # collectives sum in another order.
     "sharded": {"float32": 2e-5, "float64": 1e-12},
-    # The decision cases' stacks at exact ties, elementwise per leaf (a flipped
-    # decision is wrong by 5e-3 and more).
+    # The decision cases' stacks and the decision programs
+    # (benchmarks/decisions.py) at exact ties, per leaf (a flipped decision
+    # is wrong by 5e-3 and more).
     "decision_cases": {"float32": 1e-3, "float64": 1e-8},
     # The peers' ported tests: oryx's and Equinox's (their own margins), and
     # JAX's invertible_ad prototype's.
     "ported": {"float32": 2e-5, "float64": 1e-11},
     "jax_invertible_ad": {"float32": 2e-6, "float64": 1e-12},
+    # Log-determinants against slogdet(jacfwd(...)), a closed form or a
+    # layer's hand-written one, elementwise.
+    "log_det": {"float32": 1e-5, "float64": 1e-10},
+    # The absolute term beside "log_det" (an atol, not an rtol): for
+    # log-determinants that are zero or nearly so (additive and
+    # volume-preserving layers), where a relative test would be of rounding.
+    "log_det_floor": {"float32": 1e-6, "float64": 1e-12},
+    # Values that only a few roundings separate: an invertible function's
+    # forward values against the plain function's (the same operations), the
+    # inverse of a map of one or two operations, a closed form's value, the
+    # cotangent of a linear map, gradients through a user's rule for a map of
+    # a few operations. The rtol, or the atol of a comparison with zeros.
+    "values": {"float32": 1e-6, "float64": 1e-12},
+    # A network's input rebuilt by its inverse against the input (the forward
+    # pass then the inverse), elementwise, as the rtol and as the atol (for
+    # inputs near zero).
+    "round_trip": {"float32": 1e-5, "float64": 1e-10},
     # Random programs, by family (tests/fuzz/families.py).
     "fuzz": {"f32": 1e-4, "f32x64": 1e-4, "f64": 1e-9, "f16": 2e-2, "bf16": 2e-2},
 }
@@ -123,8 +146,9 @@ def assert_trees_close(
 
 
 def dtype_rtol(tree) -> float:
+    """The loosest "autodiff" tolerance of ``tree``'s float leaves' dtypes."""
     dts = [jnp.result_type(x) for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
-    return max(RTOL.get(jnp.dtype(d).name, 1e-2) for d in dts) if dts else 1e-5
+    return max(tolerance(d) for d in dts) if dts else tolerance("float32")
 
 
 def check_against_autodiff(fun, *args, rtol: float | None = None, seed: int = 0):

@@ -6,7 +6,7 @@ into a :class:`~.plan.Plan` with the rules of :mod:`.registry`, and
 :mod:`.interpreter` runs the plan on values and cotangents. Structural rules
 (:mod:`.structural`: calls, ``scan``, ``select_n``, slices, ``shard_map``) add
 themselves to the registry and to the interpreter's handler table when this
-package is imported; :mod:`.sharding` gives rebuilt values their types. The
+package is imported; :mod:`.sharded_types` gives rebuilt values their types. The
 front-ends (``revnet.invertible``, ``revnet.ivjp``, ``revnet.loops``) and
 ``revnet.rules`` import only the names below, and the engine imports no
 front-end.
@@ -19,19 +19,18 @@ from revnet._engine import (
     boundary,
     cotangents,
     elimination,  # noqa: F401  (registers: the handler of linear elimination)
-    kept,
+    fast_convolutions,  # noqa: F401  (registers: the convolution evaluator)
     known_args,
-    layout,  # noqa: F401  (registers: the convolution evaluator)
     log_det,
     perturbed,
     registry,
     reversible_call,
     runtime_checks,
-    sharding,
+    sharded_types,
     tracing,  # noqa: F401  (registers: the preparation of nested jaxpr bodies)
 )
 from revnet._engine.analysis import PLAN_CACHE, analyze, stats
-from revnet._engine.batch_axes import reads
+from revnet._engine.batching.axes import reads
 from revnet._engine.cache import LRU
 from revnet._engine.decisions import (
     DECISION_MARK,
@@ -40,8 +39,8 @@ from revnet._engine.decisions import (
     KINKS,
     Exposed,
     Kept,
-    check_options,
     expose,
+    residuals,
     stored_bytes,
 )
 from revnet._engine.errors import (
@@ -53,6 +52,7 @@ from revnet._engine.errors import (
     leaf_paths,
     not_invertible,
     refusal,
+    reverse_mode_only,
     show,
 )
 from revnet._engine.interpreter import Interpreter
@@ -63,7 +63,23 @@ from revnet._engine.loops.damping import visible_damping
 from revnet._engine.loops.revolve import INT32_MAX
 from revnet._engine.loops.store import lost_leaves
 from revnet._engine.plan import Plan
-from revnet._engine.registry import InverseRule, InverseRuleFn, register_inverse
+from revnet._engine.program import (
+    Call,
+    Program,
+    Storage,
+    flat_call,
+    plan_call,
+    prepare,
+    solve_exposed,
+)
+from revnet._engine.registry import (
+    DECISION,
+    SMOOTH,
+    InverseRule,
+    InverseRuleFn,
+    define,
+    register_inverse,
+)
 from revnet._engine.structural import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
     scan,  # noqa: F401  (registers: lax.scan)
@@ -77,13 +93,15 @@ __all__ = [
     "INT32_MAX",
     "boundary",
     "CAST",
+    "DECISION",
+    "SMOOTH",
+    "define",
     "DECISIONS",
     "DECISION_MARK",
     "KINKS",
     "KINK_MARK",
     "Exposed",
     "Kept",
-    "check_options",
     "expose",
     "stored_bytes",
     "LRU",
@@ -94,6 +112,13 @@ __all__ = [
     "InverseRuleFn",
     "NotInvertibleError",
     "Plan",
+    "Call",
+    "Program",
+    "Storage",
+    "flat_call",
+    "plan_call",
+    "prepare",
+    "solve_exposed",
     "SINGULAR",
     "ScanParams",
     "Stuck",
@@ -103,7 +128,7 @@ __all__ = [
     "runtime_checks",
     "cotangents",
     "eval_body",
-    "kept",
+    "residuals",
     "known_args",
     "leaf_paths",
     "lost_leaves",
@@ -113,10 +138,11 @@ __all__ = [
     "not_invertible",
     "perturbed",
     "reads",
-    "sharding",
+    "sharded_types",
     "show",
     "struct",
     "refusal",
+    "reverse_mode_only",
     "register_inverse",
     "registry",
     "reversible_call",

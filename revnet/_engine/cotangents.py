@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine.sharding import cast_like, in_mesh_of
+from revnet._engine.sharded_types import cast_like, in_mesh_of
 
 
 def is_float_aval(a: Any) -> bool:

@@ -292,6 +292,23 @@ def cannot_store(
     )
 
 
+def reverse_mode_only(name: str, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)``, naming ``name`` (``revnet.scan``) in one line when
+    forward-mode differentiation reaches it: its VJP is custom, as every
+    ``jax.custom_vjp`` function's, and JAX's own message names neither the
+    function nor what works."""
+    try:
+        return run(*args)
+    except TypeError as e:
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(
+            f"{name} is differentiable in reverse mode only (jax.grad, jax.vjp, "
+            "jax.jacrev, and jax.hessian, which is forward-over-reverse); forward "
+            "mode (jax.jvp, jax.jacfwd, jax.linearize) was applied to it"
+        ) from None
+
+
 def leaf_paths(prefix: str, tree: Any) -> list[str]:
     """``prefix`` plus each leaf's path (``args[0]['w']``), for error messages."""
     paths, _ = jax.tree_util.tree_flatten_with_path(tree)

@@ -37,8 +37,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revnet._engine import jaxpr as jx
-from revnet._engine import registry, sharding
-from revnet._engine.batch_axes import LEADING, UNBATCHED, Tracker
+from revnet._engine import registry, sharded_types
+from revnet._engine.batching.axes import LEADING, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
 from revnet._engine.interpreter import apply_eqn, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
@@ -208,7 +208,7 @@ class Evaluation:
     def like_zero(self, term: Any) -> Any:
         """A reduced term with the log-determinant's Explicit sharding, so that
         a sum carried through a loop keeps its type."""
-        return sharding.explicit_like(term, jax.typeof(self.zero))
+        return sharded_types.explicit_like(term, jax.typeof(self.zero))
 
     def shared(self, term: Any, avals: Sequence[Any], eqn: Any) -> Any:
         """A reduced term of solved values of types ``avals`` through
@@ -305,7 +305,7 @@ def zero(args: Sequence[Any], shape: tuple, dtype: Any) -> Any:
     z = jnp.zeros(shape, dtype)
     for a in args:
         t = jax.typeof(a)
-        spec = sharding.explicit_spec(t, len(t.shape))
+        spec = sharded_types.explicit_spec(t, len(t.shape))
         if spec is not None:
             split = NamedSharding(t.sharding.mesh, P(*spec[: len(shape)]))
             return jax.sharding.reshard(z, split)

@@ -107,7 +107,8 @@ class Custom:
     the function's known constants; ``unknown`` are the rest. ``in_tree`` and
     ``out_tree`` are the pytrees the function was called with. ``remade``
     are constants that are not known, which the function makes again itself
-    (a replaying call's decisions, not stored: :mod:`revnet._engine.ivjp_replay`).
+    (a replaying call's decisions, not stored:
+    :mod:`revnet._engine.decisions.ivjp_replay`).
     """
 
     eqn: int

@@ -30,6 +30,18 @@ longer means the term already sums over that axis (``dot_general``'s
 known value, layout ops); a rule without one has no log-determinant, and a
 log-determinant that needs it is refused.
 
+**One place per primitive.** Each of revnet's built-in rules is declared by
+:func:`define`, beside its rule in :mod:`revnet.rules`, with every fact revnet
+keeps of the primitive, by keyword: its inverse, trace-time check,
+``elementwise`` flag, log-determinant term, and its *continuity class*, what
+its result does when a rebuilt input moves by rounding (:data:`CONTINUITY`;
+the classification is :mod:`revnet._engine.decisions.continuity`'s, which
+declares the classes of the primitives that have no inverse rule). Adding an
+elementwise bijection is one call::
+
+    define("sinh", inverse=unary(jnp.arcsinh), continuity=SMOOTH,
+           elementwise=True, log_det=unary_term(lambda x, y: jnp.log(jnp.cosh(x))))
+
 :func:`register_inverse` is the public way to add a primitive's inverse;
 :func:`names` and :func:`get` list the table. Every change bumps
 :func:`version`, which is part of the plan cache's key.
@@ -42,7 +54,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from revnet._engine.sharding import cast_like
+from revnet._engine.sharded_types import cast_like
 
 InverseRuleFn = Callable[..., Sequence[Any]]
 LogDetFn = Callable[..., Any]
@@ -266,6 +278,85 @@ def register_inverse(
         also be ``0``).
     """
     register(primitive, rule, check, elementwise=elementwise, log_det=log_det)
+
+
+# --------------------------------------------------------------------------- #
+# Continuity classes: what a rounding-sized move of a rebuilt float input does
+# to the result (see revnet._engine.decisions.continuity).
+
+SMOOTH, KINK, DECISION, GUARD, STRUCTURAL = (
+    "smooth",
+    "kink",
+    "decision",
+    "guard",
+    "structural",
+)
+CONTINUITY = (SMOOTH, KINK, DECISION, GUARD, STRUCTURAL)
+_CONTINUITY: dict[str, str] = {}
+
+
+def declare_continuity(names: Sequence[str], cls: str) -> None:
+    """Declares the continuity class of each primitive of ``names``.
+
+    Raises:
+      ValueError: If ``cls`` is not one of :data:`CONTINUITY`, or a primitive
+        was declared already (one place per primitive).
+    """
+    if cls not in CONTINUITY:
+        raise ValueError(f"continuity must be one of {CONTINUITY}, got {cls!r}")
+    for name in names:
+        old = _CONTINUITY.get(name)
+        if old is not None:
+            raise ValueError(
+                f"primitive {name} is declared {old} already; declare each "
+                "primitive in one place"
+            )
+        _CONTINUITY[name] = cls
+    _VERSION[0] += 1
+
+
+def continuity(name: str) -> str | None:
+    """The declared continuity class of primitive ``name``, or None."""
+    return _CONTINUITY.get(name)
+
+
+def continuity_table() -> dict[str, str]:
+    """Every declared continuity class, by primitive name."""
+    return dict(_CONTINUITY)
+
+
+def define(
+    primitive: Any,
+    *,
+    inverse: InverseRuleFn,
+    continuity: str,
+    check: Callable[..., None] | None = None,
+    elementwise: bool = False,
+    log_det: LogDetFn | int | None = None,
+) -> InverseRule:
+    """Declares everything revnet keeps of one primitive, in one place.
+
+    Args:
+      primitive: A JAX primitive or its name.
+      inverse: Its inverse rule, as for :func:`register_inverse`.
+      continuity: Its continuity class, one of :data:`CONTINUITY`.
+      check: Its trace-time check, as for :func:`register_inverse`.
+      elementwise: Whether output element ``k`` depends on input element
+        ``k`` only.
+      log_det: Its log-determinant term; ``0`` where it is zero, None where
+        there is none.
+
+    Returns:
+      The registered rule.
+
+    Raises:
+      TypeError: As :func:`register_inverse`.
+      ValueError: For a continuity class that is not one, or a primitive
+        declared already.
+    """
+    rule = register(primitive, inverse, check, elementwise=elementwise, log_det=log_det)
+    declare_continuity([rule.name], continuity)
+    return rule
 
 
 def get(name: str) -> Any:

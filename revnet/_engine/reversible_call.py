@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 
-from revnet._engine import boundary, cotangents, kept, perturbed, runtime_checks
+from revnet._engine import boundary, cotangents, perturbed, runtime_checks
 from revnet._engine import jaxpr as jx
+from revnet._engine.decisions import residuals
 from revnet._engine.interpreter import Interpreter
 from revnet._engine.plan import Plan
 
@@ -50,7 +51,7 @@ def vjp_function(
         (consts, args), flags = perturbed.split_primals((consts, args))
         outs = jx.eval_body(jx.Body(exposed.forward_jaxpr, ()), *consts, *args)
         given = [a for a, r in zip(args, rebuilt) if r] if report else None
-        kept.invertible(exposed, consts, outs, given)  # a report, a warning
+        residuals.invertible(exposed, consts, outs, given)  # a report, a warning
         return outs[:n_out], (consts, outs, given, perturbed.Flags(flags))
 
     def bwd(res, cts):

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from revnet._engine import jaxpr as jx
-from revnet._engine import sharding
+from revnet._engine import sharded_types
 from revnet._engine.errors import NotInvertibleError, RuleError
 
 
@@ -72,11 +72,11 @@ def abstract_solve(rule: Any, eqn: Any, ins: Sequence[bool], static_value) -> No
                 f"its inverse rule returned {got} for an input of type "
                 f"{a.dtype}{list(a.shape)}"
             )
-        if not k and sharding.type_key(r) != sharding.type_key(a):
+        if not k and sharded_types.type_key(r) != sharded_types.type_key(a):
             raise RuleError(
                 f"its inverse rule returned a value of sharding "
-                f"{sharding.describe(r)} for an input of sharding "
-                f"{sharding.describe(a)}"
+                f"{sharded_types.describe(r)} for an input of sharding "
+                f"{sharded_types.describe(a)}"
             )
 
 

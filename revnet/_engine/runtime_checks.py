@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from revnet._engine import sharding
+from revnet._engine import sharded_types
 from revnet._engine.cotangents import is_float
 from revnet._engine.errors import NotInvertibleError
 
@@ -90,9 +90,9 @@ def record(rebuilt: Sequence[Any], given: Sequence[Any], message: str) -> None:
 def _each(x: Any, reduce: Any) -> Any:
     """``reduce(x)`` to a scalar, in ``x``'s view of the mesh (``auto_axes``
     bodies have their own), as a scalar of the current one."""
-    with sharding.in_mesh_of(x):
+    with sharded_types.in_mesh_of(x):
         flag = reduce(x)
-    return sharding.scalar_here(flag)
+    return sharded_types.scalar_here(flag)
 
 
 def record_index(index: Any, messages: list[str]) -> None:

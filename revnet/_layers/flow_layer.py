@@ -12,9 +12,9 @@ from typing import Any
 
 import jax
 
+from revnet._forward_and_log_det import derive
 from revnet._layers.couplings import invert
 from revnet._layers.stack import PER_EXAMPLE
-from revnet.logdet import derive
 
 
 class FlowMethods:

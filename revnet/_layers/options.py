@@ -7,8 +7,9 @@ how their stack runs: ``reversible``, ``anchor_every``, ``drift``,
 once, when it is made (:meth:`StackOptions.checked`, whose messages name the
 module), holds the one :class:`StackOptions` value and hands it to
 :func:`revnet._layers.stack.run_stack`; a model hands its value on to the
-sequences it builds. ``decisions`` and ``kinks`` are checked by the engine's
-own option check, the one :func:`revnet.invertible` makes.
+sequences it builds. ``decisions`` and ``kinks`` become the engine's one
+storage value (:class:`revnet._engine.Storage`), checked as
+:func:`revnet.invertible` checks them.
 
 A new stack option is one field of :class:`StackOptions`, its check in
 :meth:`StackOptions.checked` and a keyword in the doors' signatures.
@@ -20,7 +21,7 @@ import dataclasses
 from typing import Any
 
 from revnet._checks import check_bool, check_int, check_monitor, check_sharding
-from revnet._engine import check_options
+from revnet._engine import Storage
 from revnet.drift import DriftMonitor
 
 
@@ -35,19 +36,17 @@ class StackOptions:
         layer and restart the backward pass's inversion from each stored one.
       drift: None, or a :class:`revnet.DriftMonitor` receiving each backward
         pass's reconstruction error at the anchors.
-      decisions: ``"store"`` or ``"recompute"``, as in
-        :func:`revnet.invertible`.
-      kinks: ``"recompute"`` or ``"store"``, as in :func:`revnet.invertible`.
+      storage: What the forward pass stores (``decisions`` and ``kinks``, as
+        in :func:`revnet.invertible`).
       activation_sharding: None, or the ``PartitionSpec`` or
         ``NamedSharding`` each layer's input and output are constrained to
-        (see :mod:`revnet._layers.sharding`).
+        (see :mod:`revnet._layers.activation_sharding`).
     """
 
     reversible: bool = True
     anchor_every: int | None = None
     drift: DriftMonitor | None = None
-    decisions: str = "store"
-    kinks: str = "recompute"
+    storage: Storage = Storage()
     activation_sharding: Any = None
 
     @classmethod
@@ -58,9 +57,8 @@ class StackOptions:
         reversible: Any = True,
         anchor_every: Any = None,
         drift: Any = None,
-        decisions: Any = "store",
-        kinks: Any = "recompute",
         activation_sharding: Any = None,
+        **storage: Any,
     ) -> StackOptions:
         """The options a module was given, checked in this order.
 
@@ -69,9 +67,9 @@ class StackOptions:
           reversible: As given to the module (see the attributes).
           anchor_every: As given.
           drift: As given.
-          decisions: As given.
-          kinks: As given.
           activation_sharding: As given.
+          **storage: The storage options as given (``decisions``, ``kinks``):
+            the fields of :class:`revnet._engine.Storage`.
 
         Returns:
           The options (``reversible`` as a bool, ``anchor_every`` as a
@@ -88,9 +86,9 @@ class StackOptions:
         if anchor_every is not None:
             anchor_every = check_int(module, "anchor_every", anchor_every)
         drift = check_monitor(module, "drift", drift)
-        check_options(decisions, kinks, module)
+        stored = Storage.checked(module, **storage)
         sharding = check_sharding(module, "activation_sharding", activation_sharding)
-        return cls(reversible, anchor_every, drift, decisions, kinks, sharding)
+        return cls(reversible, anchor_every, drift, stored, sharding)
 
     @property
     def anchors(self) -> bool:
@@ -126,12 +124,12 @@ class OptionViews:
     @property
     def decisions(self) -> str:
         """See :class:`StackOptions`."""
-        return self.options.decisions
+        return self.options.storage.decisions
 
     @property
     def kinks(self) -> str:
         """See :class:`StackOptions`."""
-        return self.options.kinks
+        return self.options.storage.kinks
 
     @property
     def activation_sharding(self) -> Any:

@@ -33,16 +33,18 @@ unrolled, one after another, in the same reversible function.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 import revnet
+from revnet._forward_and_log_det import derive
+from revnet._layers.activation_sharding import sharded_layer
 from revnet._layers.couplings import invert
 from revnet._layers.options import DEFAULTS, StackOptions
-from revnet._layers.sharding import sharded_layer
-from revnet.logdet import derive
+from revnet.invertible import Invertible
 
 # A front door's log-determinant is one per example, and its method takes no
 # ``batch_ndim``: the refusal of a program that mixes examples says what to
@@ -115,8 +117,7 @@ def _stack_fn(
                     tuple(per_layer),
                     length=length,
                     mode="invert",
-                    decisions=options.decisions,
-                    kinks=options.kinks,
+                    **dataclasses.asdict(options.storage),
                     anchor_every=options.anchor_every,
                     drift=options.drift,
                 )
@@ -206,7 +207,7 @@ def _reversible(fn: Callable, options: StackOptions) -> Callable:
     kinks; as it is with ``reversible=False``."""
     if not options.reversible:
         return fn
-    return revnet.invertible(fn, decisions=options.decisions, kinks=options.kinks)
+    return Invertible(fn, options.storage)
 
 
 def run_stack_with_log_det(

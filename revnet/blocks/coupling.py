@@ -173,8 +173,7 @@ class AffineCoupling(hk.Module):
       and 1 at ``r = 0``. With ``zero_init`` (default) the net's output layer
       starts at zero, so each block starts as the identity.
     * ``scale="tanh"``: ``a = exp(b * tanh(r / b))`` with ``b = scale_bound``,
-      a soft clamp of the log-scale to ``(-b, b)`` (the default before, with
-      ``b = 2`` and no ``zero_init``).
+      a soft clamp of the log-scale to ``(-b, b)``.
     * ``scale="exp"``: ``a = exp(r)``, unbounded.
 
     Conditioning, per block. For fixed ``x1`` the map ``x2 -> y2`` has
@@ -187,12 +186,9 @@ class AffineCoupling(hk.Module):
     ``"sigmoid"``, ``e^b`` for ``"tanh"``), so the forward map is Lipschitz
     with constant at most ``max a + A`` and the inverse at most ``(1 + A) /
     min a``: ``3/2 + A`` and ``2 (1 + A)`` for the default. A bounded scale
-    whose range lies mostly below 1 keeps ``m`` from growing with depth. In
-    one measurement at depth 128 in float32 (``python -m
-    experiments.numerics``, the accuracy table in docs/guides/numerics.md) the default's
-    reconstruction error was 5e-3 and that of ``scale="tanh"`` with ``b = 2``
-    5.9e3; the latter is an unstable configuration whose exact error depends
-    on the machine (the tests check the default against its standard twin).
+    whose range lies mostly below 1 keeps ``m`` from growing with depth;
+    ``python -m experiments.numerics`` measures the reconstruction error of
+    each scale at depth (docs/guides/numerics.md).
 
     Example:
 

@@ -31,10 +31,10 @@ import jax
 import numpy as np
 
 import revnet
+from revnet._layers.activation_sharding import constrain
 from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.blocks._lift import Lifted, PureApply
 from revnet.blocks._names import check_name

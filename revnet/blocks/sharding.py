@@ -16,7 +16,7 @@ Two pieces, one for each kind of array a training step holds:
 
 * **Activations** are constrained by the blocks' ``activation_sharding=``
   option (a ``PartitionSpec`` of the residual stream, e.g. ``P("data")``),
-  the same in every front door (``revnet/_layers/sharding.py``, where
+  the same in every front door (``revnet/_layers/activation_sharding.py``, where
   :func:`constrain` comes from): each layer's input and output are
   constrained to it, and under Explicit mesh axes each layer runs with the
   axes Auto inside.
@@ -47,7 +47,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from revnet._layers.sharding import constrain
+from revnet._layers.activation_sharding import constrain
 
 __all__ = [
     "REVNET_RULES",

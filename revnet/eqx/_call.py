@@ -23,6 +23,12 @@ def _is_index(leaf: Any) -> bool:
     return isinstance(leaf, eqx.nn.StateIndex)
 
 
+def split_key(key: jax.Array | None, num: int) -> tuple[jax.Array | None, ...]:
+    """``num`` keys drawn from ``key`` in a fixed order (None without one), so
+    that an inverse, which runs ``g`` before ``f``, replays dropout."""
+    return (None,) * num if key is None else tuple(jax.random.split(key, num))
+
+
 def holds_state(module: Any) -> bool:
     """Whether ``module`` holds an ``eqx.nn.StateIndex`` anywhere inside."""
     return any(_is_index(x) for x in jax.tree.leaves(module, is_leaf=_is_index))

@@ -19,13 +19,7 @@ import jax
 from revnet._checks import check_callable
 from revnet._layers import couplings
 from revnet._layers.precision import coupling_compute_dtype
-from revnet.eqx._call import call_in
-
-
-def _split(key: jax.Array | None, num: int) -> tuple[jax.Array | None, ...]:
-    """``num`` keys drawn from ``key`` in a fixed order (None without one), so
-    that an inverse, which runs ``g`` before ``f``, replays dropout."""
-    return (None,) * num if key is None else tuple(jax.random.split(key, num))
+from revnet.eqx._call import call_in, split_key
 
 
 def _updated(state: eqx.nn.State | None, *subs: Any) -> eqx.nn.State | None:
@@ -101,7 +95,7 @@ class AdditiveCoupling(eqx.Module):
         self.exact, self.exact_bits = couplings.check_exact(where, exact, exact_bits)
 
     def _forward(self, state, key):
-        kf, kg = _split(key, 2)
+        kf, kg = split_key(key, 2)
         name, dtype = "AdditiveCoupling", self.compute_dtype
 
         def forward(h):

@@ -25,10 +25,10 @@ import jax
 import revnet
 from revnet._checks import fail
 from revnet._layers import data_init
+from revnet._layers.activation_sharding import constrain
 from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.eqx._call import (
     call,

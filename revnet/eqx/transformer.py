@@ -16,7 +16,8 @@ import equinox as eqx
 import jax
 
 from revnet._layers.checks import check_transformer, check_width
-from revnet.eqx.coupling import AdditiveCoupling, _split
+from revnet.eqx._call import split_key
+from revnet.eqx.coupling import AdditiveCoupling
 
 
 class _Attention(eqx.Module):
@@ -63,7 +64,7 @@ class _MLP(eqx.Module):
         self.dropout_out = eqx.nn.Dropout(rate)
 
     def __call__(self, h: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        k1, k2 = _split(key, 2)
+        k1, k2 = split_key(key, 2)
         u = jax.nn.gelu(jax.vmap(self.hidden)(jax.vmap(self.norm)(h)))
         u = self.dropout_hidden(u, key=k1)
         return self.dropout_out(jax.vmap(self.out)(u), key=k2)

@@ -31,9 +31,9 @@ Example:
 """
 
 from revnet.flows.actnorm import actnorm, actnorm_init
-from revnet.flows.layout import merge, split, squeeze, unsqueeze
 from revnet.flows.lu_conv import lu_conv, lu_conv_init, lu_matrix
 from revnet.flows.normal import StandardNormal
+from revnet.flows.squeeze import merge, split, squeeze, unsqueeze
 
 __all__ = [
     "StandardNormal",

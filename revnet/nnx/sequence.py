@@ -22,10 +22,10 @@ from flax import nnx
 
 import revnet
 from revnet._layers import data_init
+from revnet._layers.activation_sharding import constrain
 from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
-from revnet._layers.sharding import constrain
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.nnx import _lift
 

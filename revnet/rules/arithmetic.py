@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import InverseRuleFn, NotInvertibleError
+from revnet._engine import SMOOTH, InverseRuleFn, NotInvertibleError, define
 from revnet.rules._solve import (
     check_not_broadcast,
     one_unknown,
@@ -85,12 +85,25 @@ def _check_div(statics, **params):
         raise NotInvertibleError("a constant zero divided by a value loses the value")
 
 
-# name -> (rule, trace-time check, log-determinant term).
-ARITHMETIC = {
-    "add": (_add, None, 0),
-    "add_any": (_add, None, 0),
-    "sub": (_sub, None, 0),
-    "neg": (_neg, None, 0),
-    "mul": (_mul, _check_mul, _mul_term),
-    "div": (_div, _check_div, _div_term),
-}
+# Sums and products: smooth, elementwise; a product or quotient by a known
+# factor k has the term log|k| (a constant zero factor is refused at trace time).
+define("add", inverse=_add, continuity=SMOOTH, elementwise=True, log_det=0)
+define("add_any", inverse=_add, continuity=SMOOTH, elementwise=True, log_det=0)
+define("sub", inverse=_sub, continuity=SMOOTH, elementwise=True, log_det=0)
+define("neg", inverse=_neg, continuity=SMOOTH, elementwise=True, log_det=0)
+define(
+    "mul",
+    inverse=_mul,
+    continuity=SMOOTH,
+    check=_check_mul,
+    elementwise=True,
+    log_det=_mul_term,
+)
+define(
+    "div",
+    inverse=_div,
+    continuity=SMOOTH,
+    check=_check_div,
+    elementwise=True,
+    log_det=_div_term,
+)

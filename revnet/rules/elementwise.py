@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import CAST, InverseRuleFn, NotInvertibleError, refusal
+from revnet._engine import (
+    CAST,
+    DECISION,
+    SMOOTH,
+    InverseRuleFn,
+    NotInvertibleError,
+    define,
+    refusal,
+)
 
 
 def unary(inverse: Callable[[Any], Any]) -> InverseRuleFn:
@@ -38,36 +46,60 @@ def _logit(y):
 
 _LOG2 = float(np.log(2.0))
 
-# name -> (inverse, log|f'(x)| as a function of (x, y)), in forms that stay
-# finite where f' underflows: log(1 - tanh(x)**2) = 2 (log 2 - x - softplus(-2x)).
-UNARY = {
-    "exp": (jnp.log, lambda x, y: x),
-    "log": (jnp.exp, lambda x, y: -y),
-    "exp2": (jnp.log2, lambda x, y: x * _LOG2 + np.log(_LOG2)),
-    # a primitive of its own from JAX 0.11 on (log, log, div before)
-    "log2": (jnp.exp2, lambda x, y: -jnp.log(x) - np.log(_LOG2)),
-    "log1p": (jnp.expm1, lambda x, y: -y),
-    "expm1": (jnp.log1p, lambda x, y: x),
-    "tanh": (
-        jnp.arctanh,
-        lambda x, y: 2.0 * (_LOG2 - x - jax.nn.softplus(-2.0 * x)),
-    ),
-    "atanh": (jnp.tanh, lambda x, y: -(jnp.log1p(x) + jnp.log1p(-x))),
-    "logistic": (_logit, lambda x, y: -jax.nn.softplus(x) - jax.nn.softplus(-x)),
-    "sinh": (
-        jnp.arcsinh,
-        lambda x, y: jnp.abs(x) + jnp.log1p(jnp.exp(-2.0 * jnp.abs(x))) - _LOG2,
-    ),
-    "asinh": (jnp.sinh, lambda x, y: -0.5 * jnp.log1p(x * x)),
-    "sqrt": (lambda y: y * y, lambda x, y: -_LOG2 - jnp.log(y)),
-    "rsqrt": (lambda y: 1.0 / (y * y), lambda x, y: 3.0 * jnp.log(y) - _LOG2),
-    "cbrt": (
-        lambda y: y * y * y,
-        lambda x, y: -np.log(3.0) - 2.0 * jnp.log(jnp.abs(y)),
-    ),
-    "copy": (lambda y: y, 0),
-    "erf_inv": (lax.erf, lambda x, y: 0.5 * np.log(np.pi) - _LOG2 + y * y),
-}
+
+def bijection(name: str, *, inverse: Callable[[Any], Any], log_det: Any) -> None:
+    """Declares the elementwise bijection ``name``: smooth, elementwise,
+    inverted by ``inverse(y)``, with the log-determinant term
+    ``log_det(x, y) = log|f'(x)|`` (0 for an identity)."""
+    term = 0 if isinstance(log_det, int) else unary_term(log_det)
+    define(
+        name, inverse=unary(inverse), continuity=SMOOTH, elementwise=True, log_det=term
+    )
+
+
+# log|f'(x)| in forms that stay finite where f' underflows:
+# log(1 - tanh(x)**2) = 2 (log 2 - x - softplus(-2x)).
+bijection("exp", inverse=jnp.log, log_det=lambda x, y: x)
+bijection("log", inverse=jnp.exp, log_det=lambda x, y: -y)
+bijection("exp2", inverse=jnp.log2, log_det=lambda x, y: x * _LOG2 + np.log(_LOG2))
+# a primitive of its own from JAX 0.11 on (log, log, div before)
+bijection("log2", inverse=jnp.exp2, log_det=lambda x, y: -jnp.log(x) - np.log(_LOG2))
+bijection("log1p", inverse=jnp.expm1, log_det=lambda x, y: -y)
+bijection("expm1", inverse=jnp.log1p, log_det=lambda x, y: x)
+bijection(
+    "tanh",
+    inverse=jnp.arctanh,
+    log_det=lambda x, y: 2.0 * (_LOG2 - x - jax.nn.softplus(-2.0 * x)),
+)
+bijection(
+    "atanh", inverse=jnp.tanh, log_det=lambda x, y: -(jnp.log1p(x) + jnp.log1p(-x))
+)
+bijection(
+    "logistic",
+    inverse=_logit,
+    log_det=lambda x, y: -jax.nn.softplus(x) - jax.nn.softplus(-x),
+)
+bijection(
+    "sinh",
+    inverse=jnp.arcsinh,
+    log_det=lambda x, y: jnp.abs(x) + jnp.log1p(jnp.exp(-2.0 * jnp.abs(x))) - _LOG2,
+)
+bijection("asinh", inverse=jnp.sinh, log_det=lambda x, y: -0.5 * jnp.log1p(x * x))
+bijection("sqrt", inverse=lambda y: y * y, log_det=lambda x, y: -_LOG2 - jnp.log(y))
+bijection(
+    "rsqrt",
+    inverse=lambda y: 1.0 / (y * y),
+    log_det=lambda x, y: 3.0 * jnp.log(y) - _LOG2,
+)
+bijection(
+    "cbrt",
+    inverse=lambda y: y * y * y,
+    log_det=lambda x, y: -np.log(3.0) - 2.0 * jnp.log(jnp.abs(y)),
+)
+bijection("copy", inverse=lambda y: y, log_det=0)
+bijection(
+    "erf_inv", inverse=lax.erf, log_det=lambda x, y: 0.5 * np.log(np.pi) - _LOG2 + y * y
+)
 
 
 def integer_pow(outs, ins, *, y, **params):
@@ -139,3 +171,21 @@ def cumsum(outs, ins, *, axis, reverse=False, **params):
         pad = [(0, 0, 0)] * y.ndim
         pad[axis] = (1, 0, 0)
     return [y - lax.pad(shifted, jnp.zeros((), y.dtype), pad)]
+
+
+define(
+    "integer_pow",
+    inverse=integer_pow,
+    continuity=SMOOTH,
+    elementwise=True,
+    log_det=integer_pow_term,
+)
+# A cast is a decision unless it widens (the continuity rule's special case).
+define(
+    "convert_element_type",
+    inverse=convert_element_type,
+    continuity=DECISION,
+    elementwise=True,
+    log_det=0,
+)
+define("cumsum", inverse=cumsum, continuity=SMOOTH, log_det=0)

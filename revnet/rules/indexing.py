@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import SMOOTH, NotInvertibleError, define
 from revnet.rules._solve import one_unknown, with_value
 
 _MODES = ("indices_are_sorted", "unique_indices", "mode")
@@ -134,8 +134,7 @@ def _scatter(add: bool):
 
 
 # name -> rule; every term of the log-determinant is zero.
-INDEXING = {
-    "gather": gather,
-    "scatter-add": _scatter(add=True),
-    "scatter": _scatter(add=False),
-}
+# Permutations by known indices: smooth, volume preserving.
+define("gather", inverse=gather, continuity=SMOOTH, log_det=0)
+define("scatter-add", inverse=_scatter(add=True), continuity=SMOOTH, log_det=0)
+define("scatter", inverse=_scatter(add=False), continuity=SMOOTH, log_det=0)

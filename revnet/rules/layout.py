@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import SMOOTH, NotInvertibleError, define
 
 
 def _reshape(outs, ins, *, in_avals, **params):
@@ -47,12 +47,11 @@ def _split(outs, ins, *, axis, **params):
     return [lax.concatenate(list(outs), axis)]
 
 
-LAYOUT = {
-    "reshape": _reshape,
-    "squeeze": _reshape,
-    "transpose": _transpose,
-    "broadcast_in_dim": _broadcast_in_dim,
-    "rev": _rev,
-    "concatenate": _concatenate,
-    "split": _split,
-}
+# Data movement: smooth, volume preserving.
+define("reshape", inverse=_reshape, continuity=SMOOTH, log_det=0)
+define("squeeze", inverse=_reshape, continuity=SMOOTH, log_det=0)
+define("transpose", inverse=_transpose, continuity=SMOOTH, log_det=0)
+define("broadcast_in_dim", inverse=_broadcast_in_dim, continuity=SMOOTH, log_det=0)
+define("rev", inverse=_rev, continuity=SMOOTH, log_det=0)
+define("concatenate", inverse=_concatenate, continuity=SMOOTH, log_det=0)
+define("split", inverse=_split, continuity=SMOOTH, log_det=0)

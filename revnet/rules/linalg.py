@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import SINGULAR, NotInvertibleError, refusal
+from revnet._engine import SINGULAR, SMOOTH, NotInvertibleError, define, refusal
 from revnet.rules._solve import one_unknown, with_value
 
 
@@ -76,3 +76,13 @@ def check_dot_general(statics, **params):
                 raise refusal(
                     "the constant matrix of dot_general is singular", hint=SINGULAR
                 )
+
+
+# A product with a known square matrix: smooth; slogdet of the matrix per row.
+define(
+    "dot_general",
+    inverse=dot_general,
+    continuity=SMOOTH,
+    check=check_dot_general,
+    log_det=dot_general_term,
+)

@@ -26,6 +26,7 @@ from tests.helpers import (
     flop_count,
     runtime_checks,
     temp_size,
+    tolerance,
 )
 
 
@@ -114,7 +115,7 @@ def test_a_damped_step_warns_in_one_line_by_default(kind, dtype):
         g, found = _warnings(make(_damped), w, x)
         want = jax.grad(_plain(_damped))(w, x)
     # The gradient is really wrong: the check is not a false alarm.
-    assert not np.allclose(g, want, rtol=1e-2)
+    assert not np.allclose(g, want, rtol=1e-2)  # wrong by over 1%, not rounding
     assert len(found) == 1, found
     (message,) = found
     assert "\n" not in message
@@ -135,7 +136,11 @@ def test_a_well_conditioned_step_passes_silently(kind, dtype):
         g, found = _warnings(make(_coupling), w, x)
         want = jax.grad(_plain(_coupling))(w, x)
     assert not found, found
-    rtol = 1e-4 if dtype == "float32" else 1e-10
+    rtol = (
+        1e-4  # float32, elementwise (no floor) through 64 rebuilt steps
+        if dtype == "float32"
+        else tolerance(dtype, loops=True)
+    )
     np.testing.assert_allclose(g, want, rtol=rtol)
 
 

@@ -20,7 +20,7 @@ import pytest
 import revnet
 from revnet import blocks
 from revnet._engine import errors
-from tests.helpers import runtime_checks
+from tests.helpers import runtime_checks, tolerance
 
 WHY_TRACED = "checked when a call is traced, before any gradient"
 
@@ -270,7 +270,9 @@ def test_a_periodic_wrap_in_a_library_names_its_line_and_the_users(package):
     # Followed: the unwrapped step inverts, with plain autodiff's gradients.
     got = jax.grad(_drift_loss(package.free_shift), (0, 1))(x, v)
     want = jax.grad(_drift_loss(package.free_shift, scan=jax.lax.scan), (0, 1))(x, v)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=tolerance("float32")
+    )
 
 
 def _lagged(force, dt=0.05):
@@ -312,7 +314,9 @@ def test_a_leaf_the_step_overwrites_is_named_and_the_rewrite_inverts():
 
     got = jax.grad(functools.partial(loss, inverted), (0, 1))(x0, x0)
     want = jax.grad(functools.partial(loss, jax.lax.scan), (0, 1))(x0, x0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=tolerance("float32")
+    )
 
 
 def test_a_damped_step_that_overflows_names_damping_with_run_time_checks():

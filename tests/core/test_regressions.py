@@ -1,6 +1,7 @@
 """Regression tests: no silently wrong gradient, no needless refusal.
 
-Each case here was once wrong or refused; see the "Trust the gradients" issue.
+Each case is a program users write whose gradient is easy to get silently
+wrong, or that is easy to refuse needlessly.
 Gradients are compared with plain ``jax.grad`` of the same function, for every
 input and every closed-over weight, elementwise, in float32 and float64.
 """
@@ -48,7 +49,7 @@ def check_grads(f, *args, dtype="float32", rtol=None):
     want = jax.grad(_loss(f), argnums)(*args)
     assert_trees_close(got, want, rtol, "gradients")
     back = revnet.inverse(f, *args)(f(*args))
-    assert_trees_close(back, args, rtol * 10, "inverse")
+    assert_trees_close(back, args, rtol * 10, "inverse")  # inverting amplifies rounding
 
 
 def _weights_grad(make, w, x):
@@ -126,7 +127,8 @@ def test_custom_vjp_in_a_coupling_with_weights_gets_every_gradient():
         return _loss(revnet.invertible(f) if rev else f)(x1, x2)
 
     g = jax.grad(loss, (0, 1, 2))
-    assert_trees_close(g(w, x, x * 2, True), g(w, x, x * 2, False), 1e-5, "grads")
+    rtol = tolerance("float32")
+    assert_trees_close(g(w, x, x * 2, True), g(w, x, x * 2, False), rtol, "grads")
 
 
 # --------------------------------------------------------------------------- #
@@ -143,9 +145,10 @@ def test_nested_jit_with_changed_closed_over_weights_is_not_stale():
     x = _x("float32")
     for w in (2.0, 5.0, -0.5):
         weights["w"] = jnp.float32(w)
-        assert_trees_close(rf(x), f(x), 1e-6, "values")
+        rtol = tolerance("float32", "values")  # one multiplication
+        assert_trees_close(rf(x), f(x), rtol, "values")
         got = jax.grad(_loss(rf))(x)
-        assert_trees_close(got, jax.grad(_loss(f))(x), 1e-6, "gradients")
+        assert_trees_close(got, jax.grad(_loss(f))(x), rtol, "gradients")
 
 
 _HYPER: dict = {}
@@ -241,8 +244,9 @@ def test_coupling_with_a_zeroed_stream_is_refused():
 
 
 def test_widening_conversions_are_accepted():
-    check_grads(lambda x: x.astype(jnp.float32) * 2.0, _x("float16"), rtol=1e-3)
-    check_grads(lambda x: x.astype(jnp.float32) + 1.0, _x("bfloat16"), rtol=1e-2)
+    x16, xb16 = _x("float16"), _x("bfloat16")
+    check_grads(lambda x: x.astype(jnp.float32) * 2.0, x16, rtol=1e-3)  # float16's eps
+    check_grads(lambda x: x.astype(jnp.float32) + 1.0, xb16, rtol=1e-2)  # bfloat16's
     with jax.enable_x64(True):
         check_grads(lambda x: jnp.sinh(x.astype(jnp.float64)), _x("float32"))
 
@@ -299,7 +303,7 @@ def test_degenerate_values_raise_at_run_time(name, make, bad, good, jit, checks_
     if good is not None:  # the same program at regular values is fine
         got = grad(good)
         want = jax.grad(lambda w, x: _loss(make(w))(x), (0, 1))(good, x)
-        assert_trees_close(got, want, 1e-5, "gradients")
+        assert_trees_close(got, want, tolerance("float32"), "gradients")
 
 
 def test_degenerate_values_without_checks_give_nan_not_a_finite_lie():
@@ -408,7 +412,8 @@ def test_nested_revnet_scan_inside_revnet_scan_gradients():
 
         return lax.scan(outer, x, None, length=3)[0]
 
-    assert_trees_close(got, jax.grad(_loss(plain))(x), 1e-5, "gradients")
+    want = jax.grad(_loss(plain))(x)
+    assert_trees_close(got, want, tolerance("float32"), "gradients")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -447,8 +452,8 @@ def test_zero_size_dot_general(xs, ms):
 def test_half_precision_known_matrix(dtype):
     m = (jnp.eye(4) + 0.1 * _x("float32", (4, 4), 2)).astype(dtype)
     x = _x(dtype)
-    check_grads(lambda x: x @ m, x, rtol=2e-2)
-    check_grads(lambda x: m @ x.T, x, rtol=2e-2)
+    check_grads(lambda x: x @ m, x, dtype=dtype)
+    check_grads(lambda x: m @ x.T, x, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- #

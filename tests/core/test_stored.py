@@ -1,4 +1,5 @@
-"""revnet.stored lists what is kept, and revnet warns when it grows (_engine/kept.py).
+"""revnet.stored lists what is kept, and revnet warns when it grows
+(_engine/decisions/residuals.py).
 
 The report is checked against the compiled program: ``jax.jit`` of the
 forward pass that returns ``jax.vjp``'s closure, whose leaves are exactly the
@@ -28,7 +29,7 @@ import revnet
 from benchmarks import decisions as bd
 from revnet import blocks
 from revnet._engine import jaxpr as jx
-from revnet._engine import kept
+from revnet._engine.decisions import residuals
 from tests.engine import test_decisions as td
 from tests.helpers import calls_of
 
@@ -36,9 +37,9 @@ from tests.helpers import calls_of
 @pytest.fixture(autouse=True)
 def _warn_afresh():
     """Each test sees every source line warn once again."""
-    kept.forget_warnings()
+    residuals.forget_warnings()
     yield
-    kept.forget_warnings()
+    residuals.forget_warnings()
 
 
 def _compiled_residuals(f, *args):
@@ -57,7 +58,7 @@ def assert_report_is_compiled(report, f, *args, compiled=None):
     """``report`` lists exactly the tensors and bytes the compiled program keeps
     (``compiled``: :func:`_compiled_residuals` of ``f``, if known)."""
     outs, out_bytes = compiled or _compiled_residuals(f, *args)
-    others = [e for e in report.entries if e.kind == kept.OTHER]
+    others = [e for e in report.entries if e.kind == residuals.OTHER]
     assert not others, f"values no revnet function reported: {others}"
     ours = collections.Counter(_key(e.shape, e.dtype) for e in report.entries)
     theirs = collections.Counter(_key(o.shape, o.dtype) for o in outs)
@@ -330,7 +331,7 @@ def test_jax_residuals_outside_revnet_are_other():
         return sum(jnp.sum(jnp.sin(o)) for o in f(*args))
 
     report = revnet.stored(loss, *args)
-    others = [e for e in report.entries if e.kind == kept.OTHER]
+    others = [e for e in report.entries if e.kind == residuals.OTHER]
     # sin's derivative: cos of each output, saved by JAX.
     assert [(e.shape, e.kept_by) for e in others] == [((256, 8), "jax")] * 2
     outs, _ = _compiled_residuals(loss, *args)
@@ -355,9 +356,9 @@ def test_the_comparison_can_fail():
         with pytest.raises(AssertionError):
             assert_report_is_compiled(short, f, *args, compiled=compiled)
     g, loop_args, _ = LOOPS["scan store"]
-    with kept.hooks_off():  # the loop records nothing
+    with residuals.hooks_off():  # the loop records nothing
         blind = revnet.stored(g, *loop_args)
-        assert {e.kind for e in blind.entries} == {kept.OTHER}
+        assert {e.kind for e in blind.entries} == {residuals.OTHER}
         with pytest.raises(AssertionError, match="no revnet function reported"):
             assert_report_is_compiled(blind, g, *loop_args)
 
@@ -412,7 +413,7 @@ def test_recording_costs_nothing_and_changes_nothing():
         g, loop_args, _ = LOOPS["scan store"]
         hooked_loop = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a)[0][0])))
         hooked_loop = hooked_loop.lower(*loop_args).as_text()
-    with kept.hooks_off():
+    with residuals.hooks_off():
         assert program() == hooked
         plain_loop = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a)[0][0])))
         assert plain_loop.lower(*loop_args).as_text() == hooked_loop
@@ -526,9 +527,9 @@ def test_warning_can_be_made_an_error_or_silenced():
 def test_warning_threshold_is_a_sixteenth_of_an_activation():
     """An int32 routing index per token of a stream of 2 x 32 float32 is 1/64
     of an activation: silent. Of 2 x 4 float32, 1/8: it warns."""
-    assert kept.GROWTH_FRACTION == 1 / 16
+    assert residuals.GROWTH_FRACTION == 1 / 16
     for width, warns in ((32, False), (4, True)):
-        kept.forget_warnings()
+        residuals.forget_warnings()
         w_router = jnp.ones((4, width, 2)) / 8
 
         def net(a, b, w_router=w_router):

@@ -137,9 +137,9 @@ def test_per_example_memory_is_the_batched_calls(case):
     per = temp_bytes(jax.grad(per_example(ours), (0, 1)), params, x)
     whole = temp_bytes(jax.grad(batched(ours), (0, 1)), params, x)
     ref = temp_bytes(jax.grad(per_example(plain), (0, 1)), params, x)
-    # Per-example code holds what the batched call holds (the bound is
-    # 1.5x), where element-wise batching held batch x depth x weights (8.4 MB
-    # against 70 KB before), and plain autodiff stores every layer.
+    # Per-example code holds what the batched call holds (within 1.5x; batching
+    # element by element would hold batch x depth x weights), and plain
+    # autodiff stores every layer.
     assert per <= 1.5 * whole, (per, whole)
     assert ref > 5 * per, (ref, per)
 

@@ -141,7 +141,7 @@ def test_dropout_is_replayed_with_the_same_key(door):
     assert_trees_close(rev["y"], std["y"], rtol, "output")
     assert_trees_close(other["y"], other_std["y"], rtol, "output, key 2")
     assert_trees_close(other["grads"], other_std["grads"], rtol, "grads, key 2")
-    assert not np.allclose(rev["y"], other["y"], atol=1e-3)
+    assert not np.allclose(rev["y"], other["y"], atol=1e-3)  # two masks: far apart
 
 
 def train_step_temp(name, depth, reversible, exact=False):
@@ -188,7 +188,7 @@ def test_anchors_equal_the_twin_and_report_drift(door):
     assert_trees_close(grads[True], grads[False], rtol, "anchored grads")
     jax.effects_barrier()
     assert monitor.latest is not None and monitor.latest.shape == (2,)
-    assert np.all(monitor.latest < 1e-4), monitor.latest
+    assert np.all(monitor.latest < 1e-4), monitor.latest  # float32 drift readings
 
 
 # --------------------------------------------------------------------------- #
@@ -216,7 +216,7 @@ def test_compute_dtype_runs_the_couplings_in_it(door, model):
     assert rev["y"].dtype == jnp.float32
     assert {g.dtype for g in jax.tree.leaves(rev["grads"])} == {jnp.dtype("float32")}
     plain = train_step(make(2, dtype=jnp.float32, reversible=False))
-    assert not np.allclose(plain["y"], rev["y"], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(plain["y"], rev["y"], rtol=1e-4, atol=1e-4)  # bfloat16 shows
     # Two programs computing in bfloat16 round where their fusion puts the
     # roundings, so the reversible step and its twin differ by bfloat16
     # rounding (exactly 0 for some doors): per gradient leaf, no more than
@@ -345,7 +345,7 @@ def test_the_transformer_block_equals_the_twin(door, dtype):
         assert_equals_twin(rev, std, tolerance(dtype, loops=True), "transformer")
         # Dropout is on: another key gives another output.
         other = train_step(rev["built"], key=2)
-        assert not np.allclose(rev["y"], other["y"], atol=1e-3)
+        assert not np.allclose(rev["y"], other["y"], atol=1e-3)  # two masks
 
 
 def _error_rows(attribute="ERRORS"):
@@ -462,7 +462,8 @@ def test_exact_gradients_in_float64_equal_the_twin(name, dtype):
         rev, std = exact_steps(name, dtype, 8)
         assert rev["y"].dtype == jnp.float64 and on_grid(rev["y"])
         np.testing.assert_array_equal(rev["y"], std["y"])
-        assert_trees_close(rev["grads"], std["grads"], 1e-12, "exact grads")
+        rtol = 1e-12  # exact reconstruction: the backward's float64 rounding only
+        assert_trees_close(rev["grads"], std["grads"], rtol, "exact grads")
 
 
 @pytest.mark.parametrize("name, make, error, message", _error_rows("EXACT_ERRORS"))

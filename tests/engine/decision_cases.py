@@ -12,7 +12,7 @@ a decision made again on rebuilt values flips at those ties. Each F's
 derivative, or the parameter it gathers, depends on the side of the tie, so
 that a flip shows in the gradient, not only in the rebuilt first input.
 
-``DECISIONS`` holds the jumps (the first table of the issue): their gradients
+``DECISIONS`` holds the jumps: their gradients
 must equal ``jax.grad`` under the default options. ``KINKS`` holds the
 continuous functions whose derivative jumps: under ``kinks="store"`` they must
 differentiate at the ties as ``jax.grad`` does.

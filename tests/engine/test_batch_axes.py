@@ -1,4 +1,4 @@
-"""revnet._engine.batch_axes: which values keep the batch's axes example by
+"""revnet._engine.batching.axes: which values keep the batch's axes example by
 example, read from the program (the proof behind a per-example
 log-determinant)."""
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revnet._engine.batch_axes import LEADING, MIXED, UNBATCHED, Tracker
+from revnet._engine.batching.axes import LEADING, MIXED, UNBATCHED, Tracker
 
 X = jnp.ones((3, 4))
 WS = jnp.ones((2, 4))

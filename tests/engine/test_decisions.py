@@ -16,7 +16,7 @@ from benchmarks import decisions as bd
 from revnet import blocks
 from revnet._engine import expose, stored_bytes, trace
 from revnet._engine.loops.hooks import modes_chosen
-from tests.helpers import assert_trees_close
+from tests.helpers import assert_trees_close, tolerance
 
 PROGRAMS = list(bd.PROGRAMS)
 
@@ -29,14 +29,14 @@ def _grads(decide, wrap, dtype, depth=32):
 @pytest.mark.parametrize("name", PROGRAMS)
 @pytest.mark.slow
 def test_decision_programs_match_jax_grad_at_depth_32(name):
-    """The six programs of the issue, float32, tied inputs: every input and
+    """The six decision programs, float32, tied inputs: every input and
     parameter leaf within 1e-3 of its largest entry (measured: <= 4e-6)."""
     decide = bd.PROGRAMS[name]
     want = _grads(decide, None, jnp.float32)
     got = _grads(decide, revnet.invertible, jnp.float32)
     errors = bd.leaf_errors(got, want)
     assert len(errors) == 6  # the four parameter leaves, a and b
-    assert max(errors) <= 1e-3, errors
+    assert max(errors) <= tolerance(jnp.float32, "decision_cases"), errors
     # decisions="recompute" still runs (and may differ near a tie).
     wrap = functools.partial(revnet.invertible, decisions="recompute")
     again = _grads(decide, wrap, jnp.float32)
@@ -50,7 +50,7 @@ def test_decision_programs_match_jax_grad_in_float64(name):
     with jax.enable_x64(True):
         want = _grads(decide, None, jnp.float64, depth=8)
         got = _grads(decide, revnet.invertible, jnp.float64, depth=8)
-        assert_trees_close(got, want, 1e-10, "float64 gradients")
+        assert_trees_close(got, want, tolerance(jnp.float64), "float64 gradients")
 
 
 def test_routing_decisions_flip_when_recomputed():
@@ -60,7 +60,7 @@ def test_routing_decisions_flip_when_recomputed():
     decide = bd.PROGRAMS["one-hot dispatch"]
     want = _grads(decide, None, jnp.float32)
     wrap = functools.partial(revnet.invertible, decisions="recompute")
-    assert max(bd.leaf_errors(_grads(decide, wrap, jnp.float32), want)) > 1e-2
+    assert max(bd.leaf_errors(_grads(decide, wrap, jnp.float32), want)) > 1e-2  # wrong
 
 
 # -- what is stored ---------------------------------------------------------- #
@@ -137,7 +137,8 @@ def test_inverted_path_with_a_stored_predicate():
 
     x = jnp.array([-1.0, 0.0, 0.5, 2.0])
     g = jax.grad(lambda x: jnp.sum(jnp.sin(revnet.invertible(f)(x))))(x)
-    assert_trees_close(g, jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x), 1e-6)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x)
+    assert_trees_close(g, want, tolerance(jnp.float32, "values"))  # one multiplication
 
 
 def test_bad_decisions_options_are_refused():
@@ -184,12 +185,13 @@ def test_stored_kinks_differentiate_as_jax_grad_at_exact_ties(name):
 
     want = jax.grad(loss(f), (0, 1))(a, b)
     got = jax.grad(loss(revnet.invertible(f, kinks="store")), (0, 1))(a, b)
-    assert_trees_close(got, want, 1e-5, f"{name} gradients")
+    assert_trees_close(got, want, tolerance(jnp.float32), f"{name} gradients")
     with jax.enable_x64(True):
         a64, b64 = a.astype(jnp.float64), b.astype(jnp.float64)
         want = jax.grad(loss(f), (0, 1))(a64, b64)
         got = jax.grad(loss(revnet.invertible(f, kinks="store")), (0, 1))(a64, b64)
-        assert_trees_close(got, want, 1e-12, f"{name} gradients, float64")
+        rtol = 1e-12  # float64, six couplings at ties: tighter than the table
+        assert_trees_close(got, want, rtol, f"{name} gradients, float64")
 
 
 def test_stored_kinks_cost_one_small_tensor_each():
@@ -234,7 +236,7 @@ def test_revnet_scan_stores_decisions_per_step(kw):
 
     want = loss(jax.lax.scan)(a, b, ws)
     got = loss(functools.partial(revnet.scan, **kw))(a, b, ws)
-    assert max(bd.leaf_errors(got, want)) <= 1e-5
+    assert max(bd.leaf_errors(got, want)) <= tolerance(jnp.float32)
 
 
 def test_while_loop_stores_decisions_per_step_within_max_steps():
@@ -269,12 +271,12 @@ def test_while_loop_stores_decisions_per_step_within_max_steps():
                 ours = functools.partial(run, mode=mode, max_steps=12)
                 got = jax.jit(jax.grad(ours, (0, 1)))(a, b)
             assert [m.kind for m in seen] == [kind], mode
-            assert max(bd.leaf_errors(got, want)) <= 1e-5, mode
+            assert max(bd.leaf_errors(got, want)) <= tolerance(jnp.float32), mode
     # Without max_steps: checkpointed, the same exact gradient.
     with modes_chosen() as seen:
         got = jax.jit(jax.grad(run, (0, 1)))(a, b)
     assert [m.kind for m in seen] == ["checkpoint"]
-    assert max(bd.leaf_errors(got, want)) <= 1e-5
+    assert max(bd.leaf_errors(got, want)) <= tolerance(jnp.float32)
     words = r"while_loop: a decision \(`argmax` at .*test_decisions\.py.*max_steps"
     with pytest.raises(ValueError, match=words):
         run(a, b, mode="invert")
@@ -334,13 +336,14 @@ def test_moe_routed_reversible_transformer_matches_its_twin():
     params = jax.jit(model.init)(jax.random.key(0), x)
     want = jax.jit(jax.grad(twin.apply, (0, 1)))(params, x)
     got = jax.jit(jax.grad(model.apply, (0, 1)))(params, x)
-    assert_trees_close(got, want, 1e-4, "MoE gradients")
+    rtol = 1e-4  # float32, top-k routing and softmax at ties: looser than the table
+    assert_trees_close(got, want, rtol, "MoE gradients")
     with jax.enable_x64(True):
         x64 = x.astype(jnp.float64)
         p64 = jax.tree.map(lambda v: v.astype(jnp.float64), params)
         want = jax.grad(twin.apply, (0, 1))(p64, x64)
         got = jax.grad(model.apply, (0, 1))(p64, x64)
-        assert_trees_close(got, want, 1e-10, "MoE gradients, float64")
+        assert_trees_close(got, want, tolerance(jnp.float64), "MoE gradients, float64")
 
 
 @pytest.mark.slow
@@ -377,7 +380,8 @@ def test_a_decision_inside_shard_map_is_refused_not_recomputed():
     g = jax.grad(
         lambda a: jnp.sum(revnet.invertible(f, decisions="recompute")(a, x)[0])
     )(x)
-    assert_trees_close(g, jax.grad(lambda a: jnp.sum(f(a, x)[0]))(x), 1e-6)
+    want = jax.grad(lambda a: jnp.sum(f(a, x)[0]))(x)
+    assert_trees_close(g, want, 1e-6)  # two couplings: tighter than the table
 
 
 def test_a_rewritten_decision_can_be_an_output():
@@ -399,4 +403,4 @@ def test_a_rewritten_decision_can_be_an_output():
         return lambda a, b: sum(jnp.sum(jnp.sin(o) * (1.0 + o)) for o in fn(a, b))
 
     want = jax.grad(loss(f), (0, 1))(a, b)
-    assert_trees_close(jax.grad(loss(inv), (0, 1))(a, b), want, 1e-5)
+    assert_trees_close(jax.grad(loss(inv), (0, 1))(a, b), want, tolerance(jnp.float32))

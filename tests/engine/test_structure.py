@@ -20,6 +20,11 @@ ENGINE = "revnet._engine"
 JAXPR = "revnet._engine.jaxpr"
 STRUCTURAL = "revnet._engine.structural"
 FRONT_DOOR_LAYER = "revnet._layers"
+DECISIONS = "revnet._engine.decisions"
+# The decision machinery's modules that the rest of revnet may import: the
+# package itself (expose, Exposed, Kept, ...) and the residuals' report, which
+# every forward pass calls.
+DECISIONS_SURFACE = {DECISIONS, f"{DECISIONS}.residuals"}
 MAX_LINES = 450
 MAX_FUNCTION_LINES = 100
 
@@ -61,16 +66,23 @@ def _imports(name: str, *, top_level_only: bool = False) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}" if base else package
+            base = _from_module(node, name, is_package)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 found.add(sub if sub in MODULES else base)
     return {m for m in found if m in MODULES}
+
+
+def _from_module(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The module a ``from ... import`` in module ``name`` imports from,
+    relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        package = name if is_package else name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    return base
 
 
 def _defining_modules() -> set[str]:
@@ -191,6 +203,87 @@ def test_the_engine_does_not_import_the_front_door_layer():
         assert not layers, f"{name} imports {layers}"
 
 
+def private_imports(name: str) -> list[str]:
+    """Where module ``name`` reaches another revnet module's private name
+    (``from revnet.x import _y``, or ``x._y`` on a module it imported); a
+    private *module* (``revnet._engine``) is not a private name."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    bound: dict[str, str] = {}  # local name -> revnet module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_module(node, name, is_package)
+            if base not in MODULES:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif _private(alias.name):
+                    found.append(f"line {node.lineno}: from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in MODULES:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and bound.get(node.value.id, name) != name
+            and _private(node.attr)
+            and f"{bound[node.value.id]}.{node.attr}" not in MODULES
+        ):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = {name: hits for name in MODULES if (hits := private_imports(name))}
+    assert not found, found
+
+
+def test_the_private_import_finder_finds_them(tmp_path):
+    """The finder on two modules of its own making: each way of reaching a
+    private name is found, and a private module is not one."""
+    MODULES["revnet._probe"] = path = tmp_path / "probe.py"
+    try:
+        path.write_text(
+            "from revnet.invertible import _as_output\n"
+            "from revnet import _engine\n"
+            "import revnet._forward_and_log_det as ld\n"
+            "ld._check_square\n"
+            "_engine.trace\n"
+        )
+        assert private_imports("revnet._probe") == [
+            "line 1: from revnet.invertible import _as_output",
+            "line 4: ld._check_square",
+        ]
+    finally:
+        del MODULES["revnet._probe"]
+
+
+def test_the_decision_machinery_lives_in_one_folder():
+    """The decision pass, its nested calls, continuity, replays and records
+    are modules of ``_engine/decisions/``, imported only from inside it; the
+    rest of revnet reaches them through the package."""
+    inside = {m for m in MODULES if m.startswith(DECISIONS + ".")}
+    for part in ("rewrite", "nested", "continuity", "replays", "record"):
+        assert f"{DECISIONS}.{part}" in inside, sorted(inside)
+    leaks = sorted(
+        f"{name} imports {dep}"
+        for name in MODULES
+        if name != DECISIONS and not name.startswith(DECISIONS + ".")
+        for dep in _imports(name)
+        if dep in inside and dep not in DECISIONS_SURFACE
+    )
+    assert not leaks, leaks
+
+
 def _imported_modules(tree: ast.AST):
     """``(node, module names)`` of every import statement in ``tree``; an
     import of a name from a package (``from jax import _src``) counts as an
@@ -295,7 +388,7 @@ def private_patches(source: str) -> list[str]:
     ``setattr`` (``monkeypatch.setattr`` included) on one, an assignment to
     one of its attributes or items, or a mutating method of a private one
     (``loops._HOOKS.append``). Tests reach revnet through its API or a documented
-    hook (``revnet._engine.loops.hooks``, ``kept.hooks_off``), never a patch."""
+    hook (``revnet._engine.loops.hooks``, ``residuals.hooks_off``), never a patch."""
     tree = ast.parse(source)
     ours = _revnet_names(tree)
 

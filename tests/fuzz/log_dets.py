@@ -24,12 +24,14 @@ import numpy as np
 from jax import lax
 
 import revnet
+from tests.helpers import tolerance
 
 BATCH, WIDTH = 2, 4
 # The reference is a sum of per-layer log-determinants, each to RTOL of its own
 # size: the derived one must match it to RTOL of the sum of their sizes (layers
 # can cancel), and to ATOL where every layer's is zero.
-RTOL, ATOL = 1e-10, 1e-12
+RTOL = tolerance("float64", "log_det")
+ATOL = tolerance("float64", "log_det_floor")  # where every layer's is zero
 
 
 def _coupling(w, h, affine):
@@ -182,7 +184,8 @@ def check(flow: Flow, ws, x, log_det=revnet.forward_and_log_det) -> str:
         return "accepted a flow that mixes examples"
     if not np.all(np.abs(np.asarray(y)) < 1e8):
         return "skipped"  # the random chain overflowed: no fair comparison
-    if not np.allclose(y, flow(ws, x), rtol=1e-12, atol=1e-12):
+    same = tolerance("float64", "values")  # the same operations
+    if not np.allclose(y, flow(ws, x), rtol=same, atol=same):
         return "outputs differ from the function's"
     want, smallest, scale = reference(flow, ws, x)
     if not np.all(np.isfinite(want)) or smallest < RELIABLE:

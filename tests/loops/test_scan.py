@@ -115,12 +115,13 @@ def test_scan_length_without_xs_integer_carry_and_vmap():
     assert int(i) == 13
     np.testing.assert_array_equal(ys, np.arange(1, 13, 2))
     want = jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1))(x1, x2)
-    assert_trees_close(g, want, 1e-5, floor=0.0, exact_dtypes=True)
+    rtol = tolerance(jnp.float32)
+    assert_trees_close(g, want, rtol, floor=0.0, exact_dtypes=True)
     gv = jax.vmap(jax.grad(lambda *a: loss(scan, *a)[0], (0, 1)))(x1, x2)
     assert_trees_close(
         gv,
         jax.vmap(jax.grad(lambda *a: loss(lax.scan, *a)[0], (0, 1)))(x1, x2),
-        1e-5,
+        rtol,
         floor=0.0,
         exact_dtypes=True,
     )
@@ -282,7 +283,8 @@ def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
 
         got = while_loop(cond, body, [0, 1.0, 0])
         want = lax.while_loop(cond, body, [0, 1.0, 0])
-        assert_trees_close(got, want, 1e-6, floor=0.0, exact_dtypes=True)
+        rtol = tolerance(jnp.float32, "values")
+        assert_trees_close(got, want, rtol, floor=0.0, exact_dtypes=True)
 
         def loss(loop, w):
             def body_w(c):
@@ -298,7 +300,8 @@ def test_while_python_scalars_in_carry_are_promoted_as_in_lax(x64):
                 w,
             )
         )(w)
-        assert_trees_close(g, ref, 1e-6, floor=0.0, exact_dtypes=True)
+        rtol = 1e-6  # a scalar through 4 steps: tighter than the table
+        assert_trees_close(g, ref, rtol, floor=0.0, exact_dtypes=True)
 
 
 # --------------------------------------------------------------------------- #

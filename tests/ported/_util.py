@@ -22,7 +22,13 @@ def dtypes():
     ]
 
 
-def assert_tree_allclose(actual, expected, rtol=1e-5, atol=1e-8, dtype=True):
+def assert_tree_allclose(
+    actual,
+    expected,
+    rtol=1e-5,  # Equinox's tree_allclose defaults (numpy's allclose's)
+    atol=1e-8,  # likewise
+    dtype=True,
+):
     """Same structure, shapes and (with ``dtype``) dtypes; values elementwise."""
     ta = jax.tree_util.tree_structure(actual)
     te = jax.tree_util.tree_structure(expected)

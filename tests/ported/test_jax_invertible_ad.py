@@ -182,7 +182,8 @@ def test_invertible_blocks(dtype, ctx):
         assert_tree_allclose(got, want, rtol=rtol, atol=rtol)
         # And the inverse, from the rule's first result.
         back = revnet.inverse(g, x, x + 2)(g(x, x + 2))
-        assert_tree_allclose(back, (x, x + 2), rtol=10 * rtol, atol=10 * rtol)
+        ten = 10 * rtol  # an inverse compounds the rounding
+        assert_tree_allclose(back, (x, x + 2), rtol=ten, atol=ten)
 
 
 def test_invertible_blocks_with_weights():
@@ -202,7 +203,8 @@ def test_invertible_blocks_with_weights():
     # On its own the custom_ivjp block is right; inside revnet.invertible it
     # is refused.
     alone = jax.grad(partial(_reduce, rev_block), argnums=(0, 1))(x, x + 2)
-    assert_tree_allclose(alone, want, rtol=1e-5, atol=1e-5)
+    rtol = tolerance(jnp.float32)  # revnet's own test: the autodiff margin
+    assert_tree_allclose(alone, want, rtol=rtol, atol=rtol)
 
     def chain(x1, x2):
         return rev_block(*rev_block(x1, x2))
@@ -211,7 +213,7 @@ def test_invertible_blocks_with_weights():
         x, x + 2
     )
     got = jax.grad(partial(_reduce, revnet.invertible(chain)), argnums=(0, 1))(x, x + 2)
-    assert_tree_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(got, want, rtol=rtol, atol=rtol)
 
 
 def chain_of(block):
@@ -266,4 +268,5 @@ def test_invertible_pytree(dtype, ctx):
             atol=rtol,
         )
         back = revnet.inverse(f, (o, o), o)(f((o, o), 2 * o))
-        assert_tree_allclose(back, ((o, o), 2 * o), rtol=10 * rtol, atol=10 * rtol)
+        ten = 10 * rtol  # an inverse compounds the rounding
+        assert_tree_allclose(back, ((o, o), 2 * o), rtol=ten, atol=ten)

@@ -393,8 +393,10 @@ def test_plain_baselines_train_the_same_parameters(model):
     for method in ("plain", "layer_stack"):
         loss, grads = out[method]
         want = models.convert(out["reversible"][1], method)
-        np.testing.assert_allclose(loss, out["reversible"][0], rtol=1e-6)
-        assert_trees_close(grads, want, 1e-5, f"{model} {method} gradient")
+        rtol = tolerance(jnp.float32, "values")  # the same forward pass
+        np.testing.assert_allclose(loss, out["reversible"][0], rtol=rtol)
+        rtol = tolerance(jnp.float32)
+        assert_trees_close(grads, want, rtol, f"{model} {method} gradient")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -456,16 +458,20 @@ def test_numerics_tiny(tmp_path):
     rows = res["rows"]
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "float64"}
     f64 = [r for r in rows if r["dtype"] == "float64" and r["coupling"] == "additive"]
-    assert max(r["reconstruction_rel_error"] for r in f64) < 1e-10
+    worst = max(r["reconstruction_rel_error"] for r in f64)
+    assert worst < tolerance("float64", "round_trip")
     f32 = [r for r in rows if r["dtype"] == "float32" and r["coupling"] == "additive"]
-    assert max(r["grad_rel_error_reversible"] for r in f32) < 1e-4
+    assert max(r["grad_rel_error_reversible"] for r in f32) < 1e-4  # deep float32
     assert res["limits"]["additive"]["float64"]["all_measured_depths_ok"]
     for row in rows:
         for k, a in row["anchored"].items():
             # One reading per anchor, equal to the independently measured error.
             assert len(a["drift_readings"]) == -(-row["depth"] // int(k))
             np.testing.assert_allclose(
-                a["drift_readings"], a["true_drift"], rtol=0.1, atol=1e-12
+                a["drift_readings"],
+                a["true_drift"],
+                rtol=0.1,  # a drift estimate within 10%
+                atol=1e-12,  # for readings near zero
             )
     deep = [r for r in f32 if r["depth"] == 16][0]
     assert deep["temp_vs_standard"] < deep["anchored"]["4"]["temp_vs_standard"] < 1
@@ -481,7 +487,7 @@ def test_exact_tiny(tmp_path):
         # Exact mode rebuilds bit for bit at every depth; float32 does not.
         assert rows["exact", depth]["max_abs_error"] == 0.0
         assert rows["exact", depth]["bitwise_zero"] is True
-        assert 0 < rows["plain", depth]["max_abs_error"] < 1e-3
+        assert 0 < rows["plain", depth]["max_abs_error"] < 1e-3  # float32 drift
         assert rows["exact", depth]["output_max_abs"] < 2**14  # the exact range
     plain = [rows["plain", d]["max_abs_error"] for d in depths]
     assert plain[-1] > plain[0]  # float32 drifts with depth
@@ -499,7 +505,7 @@ def test_exact_tiny(tmp_path):
         last = train[mode]["history"][-1]
         assert 0 <= last["test_accuracy"]["reversible"] <= 1
         assert np.isfinite(last["loss"]["reversible"])
-        assert last["grad_max_abs_diff"] < 1e-5
+        assert last["grad_max_abs_diff"] < 1e-5  # absolute, float32 training
 
 
 @pytest.mark.slow
@@ -539,7 +545,7 @@ def test_overhead_tiny(tmp_path):
 @pytest.mark.slow
 def test_decisions_tiny(tmp_path):
     for row in tiny("decisions", tmp_path)["rows"]:
-        assert row["error_store"] <= 1e-5, row
+        assert row["error_store"] <= tolerance(jnp.float32), row
         assert row["temp_store"] >= row["temp_recompute"], row
 
 
@@ -577,7 +583,8 @@ def test_flows_tiny_run_keeps_its_claims(tmp_path):
     for row in results["rows"]:
         assert row["log_det_max_abs"] > 0.1, row  # a flow that is not the identity
         for way in ("revnet", "jet-style"):
-            assert row[f"log_det_diff_{way}"] <= 1e-5 * row["log_det_max_abs"], row
+            rtol = tolerance(jnp.float32, "log_det")
+            assert row[f"log_det_diff_{way}"] <= rtol * row["log_det_max_abs"], row
     assert deep["temp_revnet"] == shallow["temp_revnet"], results["rows"]
     assert deep["temp_flowjax"] > 2 * shallow["temp_flowjax"], results["rows"]
     assert deep["temp_revnet"] < deep["temp_jet-style"] < deep["temp_flowjax"]
@@ -664,7 +671,7 @@ def test_demo_tiny_report_states_its_sizes_and_embeds_its_plot(tmp_path):
     assert "Smoke run, not a result" in text and "test acc." not in text
     assert results["time"] is None and "Left out of this tiny run" in text
     gap = max(r["grad_max_abs_diff"] for r in results["train"]["history"])
-    assert f"**{gap:.2e}**" in text and gap < 1e-5
+    assert f"**{gap:.2e}**" in text and gap < 1e-5  # absolute, float32 training
     by = {(r["method"], r["depth"]): r["temp_bytes"] for r in results["memory"]}
     lo, hi = sizes["depths"][0], sizes["depths"][-1]
     assert by["reversible", hi] <= 1.05 * by["reversible", lo]
@@ -750,4 +757,5 @@ def test_simulation_tiny(tmp_path):
         revnet_hi = temp[workload, "revnet", hi]["temp_bytes"]
         assert revnet_hi == temp[workload, "revnet", lo]["temp_bytes"], workload
         assert revnet_hi < temp[workload, peer, hi]["temp_bytes"], workload
+        # float32 simulations over many steps: far looser than the table's
         assert temp[workload, "revnet", hi]["grad_rel_error"] < 1e-3, workload

@@ -16,8 +16,7 @@ namespace. Line numbers in a failing block's traceback are its file's.
 * ``test_every_block_is_run`` counts the fences a second way, so a new block
   cannot be left out silently.
 * The ``bash`` blocks and the ``make`` commands in the text name only
-  Makefile targets, command-line flags and extras that exist, and the test
-  counts CONTRIBUTING.md states are pytest's.
+  Makefile targets, command-line flags and extras that exist.
 * The examples of the docstrings ``help(revnet)`` shows first run.
 """
 

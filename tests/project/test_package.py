@@ -126,6 +126,8 @@ print(json.dumps({
     "file": revnet.__file__,
     "version": revnet.__version__,
     "metadata": importlib.metadata.version("revnet"),
+    # float32, as tests/helpers.py's "autodiff" rtol and "values" atol (the
+    # clean environment has no tests/ to import them from)
     "grad": bool(jnp.allclose(grad, plain, rtol=1e-5, atol=1e-6)),
     "frameworks": [m for m in FRAMEWORKS if importlib.util.find_spec(m)],
     "doors": doors,

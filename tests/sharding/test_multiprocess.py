@@ -31,7 +31,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, assert_trees_close, subprocess_env
+from tests.helpers import ROOT, assert_trees_close, subprocess_env, tolerance
 
 pytestmark = pytest.mark.slow  # multi-process runs
 
@@ -293,7 +293,7 @@ def test_two_processes_train_like_one(tmp_path, mesh_kind):
         for prefix in (f"loss {i}", f"grad {i} "):
             g = {k: v for k, v in got[0].items() if k.startswith(prefix)}
             w = {k: v for k, v in want.items() if k.startswith(prefix)}
-            assert_trees_close(g, w, 1e-5, prefix)
+            assert_trees_close(g, w, tolerance("float32"), prefix)
     # The drift monitor of every process gets one reading per backward pass
     # and warns (its tolerance is below float32 rounding).
     for pid in (0, 1):

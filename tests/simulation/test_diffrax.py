@@ -126,7 +126,7 @@ def test_diffraxs_step_inverts_unchanged_at_one_evaluation_a_step():
         assert counts == [1], counts
         got = jax.grad(functools.partial(_heun_loss(steps), inverted))(p)
         want = jax.grad(functools.partial(_heun_loss(steps), jax.lax.scan))(p)
-        assert peers.relative(got, want) < 1e-12
+        assert peers.relative(got, want) < 1e-12  # float64, tighter than the table
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

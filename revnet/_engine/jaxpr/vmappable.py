@@ -93,6 +93,15 @@ class RevnetCall(_HiPrim):
         )
         return outs, touts
 
+    def lin(self, nzs_in, *primals):
+        # jax.linearize is forward mode: refused now, as run's custom VJP
+        # refuses jax.jvp (the front end names the call), not when the linear
+        # function is first evaluated.
+        raise TypeError("can't apply forward-mode autodiff (linearize) to revnet")
+
+    def linearized(self, residuals, *tangents):
+        raise TypeError("can't apply forward-mode autodiff (linearize) to revnet")
+
     def batch(self, axis_data, args, dims):
         outs, out_dims = self.rebatch.value(axis_data, list(args), list(dims))
         return tuple(outs), tuple(out_dims)

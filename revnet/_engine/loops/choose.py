@@ -31,7 +31,7 @@ from typing import Any
 from revnet._engine import analysis
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
-from revnet._engine.decisions import Exposed, expose
+from revnet._engine.decisions import Exposed
 from revnet._engine.errors import Stuck
 from revnet._engine.loops.derived import (
     Derived,
@@ -41,6 +41,7 @@ from revnet._engine.loops.derived import (
 )
 from revnet._engine.loops.store import known_with, stored_set
 from revnet._engine.plan import Plan
+from revnet._engine.program import Storage, solve_exposed
 
 AUTO, INVERT, STORE, CHECKPOINT = "auto", "invert", "store", "checkpoint"
 MODES = (AUTO, INVERT, STORE, CHECKPOINT)
@@ -158,43 +159,22 @@ def exposed_mode(
     carry: Sequence[int],
     mode: str,
     fail: Any,
-    *,
-    decisions: str,
-    kinks: str,
+    storage: Storage,
 ) -> tuple[Exposed, Mode]:
-    """A scan body with its decisions exposed, and its backward mode.
+    """A loop body with its decisions exposed as ``storage`` says, and its
+    backward mode (a loop with a bound on its steps).
 
-    A continuous select on the inverted path is solved only with its
-    predicate known; when the body cannot be inverted with those predicates
-    recomputed, they are stored too (``expose(..., soft=False)``) if that
-    makes inversion possible. ``fail(stuck)`` raises the user's error.
+    The exposure that inverts is preferred (:func:`.program.solve_exposed`).
+    ``fail(stuck)`` is the user's error when neither can be planned.
     """
     known_in = tuple(n not in carry for n in range(len(jaxpr.invars)))
 
     def mode_of(exposed):
         return choose_mode(exposed.jaxpr, known_in, carry, True, mode)
 
-    exposed = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks)
     try:
-        chosen = mode_of(exposed)
-    except Stuck:
-        chosen = None
-    if chosen is None or chosen.kind != INVERT:
-        strict = expose(jaxpr, rebuilt, decisions=decisions, kinks=kinks, soft=False)
-        if strict.n != exposed.n:
-            try:
-                again = mode_of(strict)
-            except Stuck:
-                again = None
-            if again is not None and (chosen is None or again.kind == INVERT):
-                exposed, chosen = strict, again
-    if chosen is None:
-        try:
-            chosen = mode_of(exposed)
-        except Stuck as stuck:
-            try:  # the body's own refusal names its equation
-                mode_of(Exposed(jaxpr, 0))
-            except Stuck as own:
-                raise fail(own) from None
-            raise fail(stuck) from None
-    return exposed, chosen
+        return solve_exposed(
+            jaxpr, rebuilt, storage, mode_of, enough=lambda m: m.kind == INVERT
+        )
+    except Stuck as stuck:
+        raise fail(stuck) from None

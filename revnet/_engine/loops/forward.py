@@ -31,7 +31,7 @@ from revnet._engine.jaxpr import Body, ScanParams, eval_body
 from revnet._engine.jaxpr import scan as plain_scan
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops.store import stored_leaves
-from revnet._engine.sharding import zeros
+from revnet._engine.sharded_types import zeros
 
 _FORWARDS = LRU(64)
 

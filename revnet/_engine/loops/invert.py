@@ -28,7 +28,7 @@ from jax import lax
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
-from revnet._engine import runtime_checks, sharding
+from revnet._engine import runtime_checks, sharded_types
 from revnet._engine.boundary import norms
 from revnet._engine.interpreter import run_plan
 from revnet._engine.loops import anchors as anc
@@ -254,7 +254,7 @@ def _rebuild_with_cotangents(walk, final, out_cts, anchors, perturbed):
         return state, (vals[nr:], x_cts)
 
     ct_consts0 = [
-        sharding.zeros(a) if f else None for a, f in zip(const_avals, const_float)
+        sharded_types.zeros(a) if f else None for a, f in zip(const_avals, const_float)
     ]
     # Each leaf's drift is measured against its size at the end too (fields
     # that start at zero).

@@ -25,9 +25,10 @@ from typing import Any
 
 import jax
 
-from revnet._engine import cotangents, kept
+from revnet._engine import cotangents
 from revnet._engine import jaxpr as jx
 from revnet._engine import perturbed as pb
+from revnet._engine.decisions import residuals
 from revnet._engine.jaxpr import LoopTag
 from revnet._engine.loops import anchors as anc
 from revnet._engine.loops import checkpoint, forward, invert
@@ -171,7 +172,7 @@ def scan_function(
         anchor (through ``jax.debug.callback``) by every backward pass.
       decided: the records of the decisions the body returns as its last
         ``ys`` (:class:`~revnet._engine.decisions.Kept`), for the report of
-        what is stored (:mod:`revnet._engine.kept`).
+        what is stored (:mod:`revnet._engine.decisions.residuals`).
 
     Returns:
       The scan, a ``jax.custom_vjp`` function.
@@ -218,7 +219,7 @@ def _loop_vjp(
         out = loop.outputs(ran.final, ran.ys)
         if not rebuild:  # checkpointing starts from the initial carry
             ran = forward.Ran(ran.steps, list(carry), [], [], [])
-        kept.loop(loop.kind, loop.sp, mode, every, loop.decided, consts, xs, ran)
+        residuals.loop(loop.kind, loop.sp, mode, every, loop.decided, consts, xs, ran)
         first = [] if mode.derived is None else mode.derived.initial(carry)
         return out, (consts, xs, ran, first, pb.Flags(flags))
 

@@ -12,7 +12,7 @@
   ``(in_tree, out_tree)``), ``invert(consts, outputs)``, ``ivjp(consts,
   outputs, cts)``, ``log_det(args)`` (the user's log-determinant, or None),
   ``user_vjp`` (a fused ``defivjp`` rule) and ``remade`` (constants it makes
-  again when they are unknown: :mod:`revnet._engine.ivjp_replay`). Its call
+  again when they are unknown: :mod:`revnet._engine.decisions.ivjp_replay`). Its call
   is matched to its record by its last inputs: JAX hoists what it closes over
   as leading ones, which a traced-again jaxpr no longer marks.
 * revnet's ``while_loop`` is refused inside another function: its trip count
@@ -137,7 +137,7 @@ class CallRule(registry.StructuralRule):
             )
             return None
         # Values the function makes again itself when they are not known (a
-        # replaying call's decisions: revnet._engine.ivjp_replay).
+        # replaying call's decisions: revnet._engine.decisions.ivjp_replay).
         remade = tuple(nh + n for n in fn.remade if not ins[nh + n])
         if not all(
             k or n in remade for n, k in enumerate(ins) if nh <= n < nh + n_const

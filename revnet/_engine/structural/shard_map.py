@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from revnet._engine import analysis, log_det, registry, runtime_checks, sharding
+from revnet._engine import analysis, log_det, registry, runtime_checks, sharded_types
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
-from revnet._engine.batch_axes import spec_entries
+from revnet._engine.batching.axes import spec_entries
 from revnet._engine.errors import Stuck
 from revnet._engine.interpreter import Handler, apply_eqn, register_handler, run_plan
 from revnet._engine.plan import Plan
@@ -94,16 +94,18 @@ class _ShardMapHandler(Handler):
 
         def per_device(*args):
             given = [
-                sharding.cast_like(x, in_avals[n]) for x, n in zip(args[:nk], known_idx)
+                sharded_types.cast_like(x, in_avals[n])
+                for x, n in zip(args[:nk], known_idx)
             ]
             ys = [
-                sharding.cast_like(y, out_avals[n])
+                sharded_types.cast_like(y, out_avals[n])
                 for y, n in zip(args[nk : nk + no], out_idx)
             ]
             body_cts = None
             if with_cts:
                 body_cts = [
-                    sharding.cast_like(c, a) for c, a in zip(args[nk + no :], out_avals)
+                    sharded_types.cast_like(c, a)
+                    for c, a in zip(args[nk + no :], out_avals)
                 ]
                 if not sm.check_vma:  # as JAX's transpose of shard_map
                     body_cts = [
@@ -126,7 +128,8 @@ class _ShardMapHandler(Handler):
                 index, messages[:] = sc.reduce()
                 failed = (index.reshape((1,)),)
             rebuilt = [
-                sharding.cast_like(v, in_avals[n]) for v, n in zip(vals, step.unknown)
+                sharded_types.cast_like(v, in_avals[n])
+                for v, n in zip(vals, step.unknown)
             ]
             if not with_cts:
                 return (*failed, *rebuilt)
@@ -243,7 +246,7 @@ class _ShardMapTerms(log_det.TermRule):
                     )
                 # Every solved value is then split over every manual axis.
                 return _summed(term, tuple(sorted(manual - batch_axes)))
-            kinds = {sharding.varying(a) for a in avals}
+            kinds = {sharded_types.varying(a) for a in avals}
             if len(kinds) != 1:
                 raise log_det.refusal(
                     e,
@@ -251,7 +254,7 @@ class _ShardMapTerms(log_det.TermRule):
                     "their term's copies cannot be counted once",
                 )
             (varying,) = kinds
-            have = sharding.varying(jax.typeof(term))
+            have = sharded_types.varying(jax.typeof(term))
             if have - varying:
                 raise log_det.refusal(
                     e,

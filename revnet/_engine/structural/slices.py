@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from revnet._engine import jaxpr as jx
-from revnet._engine import registry, sharding
+from revnet._engine import registry, sharded_types
 from revnet._engine.interpreter import Handler, register_handler
 from revnet._engine.plan import Tile
 
@@ -71,11 +71,11 @@ class _TileHandler(Handler):
             ordered = [pieces[n] for n in order]
             value = ordered[0] if len(ordered) == 1 else lax.concatenate(ordered, axis)
         else:
-            value = sharding.zeros(aval)
+            value = sharded_types.zeros(aval)
             for eqn, piece in zip(eqns, pieces):
                 start = eqn.params["start_indices"]
                 value = lax.dynamic_update_slice(value, piece.astype(aval.dtype), start)
-        it.set([step.var], [sharding.cast_like(value, aval)])
+        it.set([step.var], [sharded_types.cast_like(value, aval)])
         return None
 
 

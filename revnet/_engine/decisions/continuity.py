@@ -52,32 +52,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from revnet._engine import jaxpr as jx
+from revnet._engine import registry
 from revnet._engine.cotangents import is_float_aval
+from revnet._engine.registry import DECISION, GUARD, KINK, SMOOTH, STRUCTURAL
 
-SMOOTH, KINK, DECISION, GUARD, STRUCTURAL = (
-    "smooth",
-    "kink",
-    "decision",
-    "guard",
-    "structural",
-)
-
+# The classes of the primitives without an inverse rule; a primitive with one
+# is declared with it (revnet.rules, registry.define), in one place.
+#
 # Continuous in every float input, with a derivative continuous almost
 # everywhere (where the primitive is defined): elementwise maps, linear maps,
 # data movement, collectives and identities.
 _SMOOTH_NAMES = """
-abs_sq add add_any sub mul div neg exp exp2 expm1 log log1p log2 logistic tanh
-one_minus_square polynomial sin
-cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt pow
-integer_pow square erf erfc erf_inv lgamma digamma polygamma zeta igamma
-igammac igamma_grad_a random_gamma_grad regularized_incomplete_beta
-bessel_i0e bessel_i1e conj real imag complex dot_general ragged_dot_general
-conv_general_dilated reduce_sum reduce_prod cumsum cumprod cumlogsumexp
-reduce_window_sum broadcast_in_dim reshape transpose squeeze expand_dims rev
-pad concatenate split slice dynamic_slice dynamic_update_slice gather scatter
-scatter-add scatter_add scatter-mul scatter_mul select_n copy copy_p
-stop_gradient sharding_constraint device_put psum psum2 pmean all_gather
-all_to_all ragged_all_to_all ppermute reshard mesh_cast pvary pcast
+abs_sq one_minus_square polynomial sin cos tan asin acos atan cosh acosh pow
+square erf erfc lgamma digamma polygamma zeta igamma igammac igamma_grad_a
+random_gamma_grad regularized_incomplete_beta bessel_i0e bessel_i1e conj real
+imag complex ragged_dot_general conv_general_dilated reduce_sum reduce_prod
+cumprod cumlogsumexp reduce_window_sum expand_dims pad slice dynamic_slice
+dynamic_update_slice scatter_add scatter-mul scatter_mul select_n copy_p
+stop_gradient device_put psum psum2 pmean ragged_all_to_all mesh_cast pcast
 optimization_barrier name fft cholesky triangular_solve tridiagonal_solve
 householder_product custom_lin mul_add reduce_and reduce_or reduce_xor
 axis_index iota psum_invariant all_gather_invariant all_gather_reduced
@@ -102,7 +94,7 @@ bitcast_convert_type atan2 lu qr eigh eig svd schur hessenberg tridiagonal
 select_and_scatter select_and_scatter_add reduce reduce_window random_gamma
 population_count clz shift_left shift_right_arithmetic shift_right_logical
 random_bits random_seed random_split random_fold_in random_wrap random_unwrap
-threefry2x32 rng_bit_generator rng_uniform convert_element_type
+threefry2x32 rng_bit_generator rng_uniform
 """.split()
 
 # Calls, loops and branches: their bodies are classified.
@@ -110,30 +102,29 @@ _STRUCTURAL_NAMES = """
 jit pjit closed_call core_call call eval_jaxpr custom_jvp_call custom_vjp_call
 custom_vjp_call_jaxpr remat remat2 checkpoint scan while cond shard_map
 custom_linear_solve call_hi_primitive get swap empty2 after_all create_token
-new_ref empty_ref free_ref freeze addupdate accum_grad_in_ref
-debug_callback debug_print
+new_ref empty_ref free_ref freeze addupdate accum_grad_in_ref debug_callback
+debug_print
 """.split()
 
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
-_TABLE: dict[str, str] = {
-    "is_finite": GUARD,
-    **{n: DECISION for n in _DECISION_NAMES},
-    **{n: SMOOTH for n in _SMOOTH_NAMES},
-    **{n: KINK for n in _KINK_NAMES},
-    **{n: STRUCTURAL for n in _STRUCTURAL_NAMES},
-}
+registry.declare_continuity(["is_finite"], GUARD)
+registry.declare_continuity(_DECISION_NAMES, DECISION)
+registry.declare_continuity(_SMOOTH_NAMES, SMOOTH)
+registry.declare_continuity(_KINK_NAMES, KINK)
+registry.declare_continuity(_STRUCTURAL_NAMES, STRUCTURAL)
 
 
 def table() -> Mapping[str, str]:
-    """The class of every primitive revnet names (others are decisions)."""
-    return dict(_TABLE)
+    """The class of every primitive revnet names (others are decisions):
+    those declared here and those declared with their inverse rules."""
+    return registry.continuity_table()
 
 
 def primitive_class(name: str) -> str:
     """The class of the primitive ``name`` on a rebuilt float input, as the
     table says (an unlisted primitive is a decision; :func:`classify` also
     tries :func:`linear` on an unlisted equation)."""
-    return _TABLE.get(name, DECISION)
+    return registry.continuity(name) or DECISION
 
 
 _LINEAR: dict = {}
@@ -248,7 +239,7 @@ def classify(eqn: Any) -> str:
         return DECISION
     if not any(is_float_aval(jx.aval(v)) for v in eqn.outvars):
         return DECISION
-    if name not in _TABLE and linear(eqn):
+    if registry.continuity(name) is None and linear(eqn):
         return SMOOTH
     return cls
 

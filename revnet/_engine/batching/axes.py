@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from revnet._engine import jaxpr as jx
-from revnet._engine.batch_params import (
+from revnet._engine.batching.params import (
     HARMLESS,
     LEADING,
     MIXED,

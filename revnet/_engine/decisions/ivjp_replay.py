@@ -8,7 +8,7 @@ knots``, ``jnp.where(x > 0, ...)``) would then be made again on rebuilt
 values, which differ from the forward ones by rounding: near a bucket's edge
 it flips, and the cotangents follow the other bucket.
 
-The decision pass (:meth:`~revnet._engine.nested_calls.NestedCalls._custom_ivjp`)
+The decision pass (:meth:`~revnet._engine.decisions.nested.NestedCalls._custom_ivjp`)
 splits such a call as it splits a ``remat``: a *deciding* call (a ``jit`` of
 the body that returns its decisions too) runs in the forward pass, and a
 *replaying* call stands for the function in the program the backward pass

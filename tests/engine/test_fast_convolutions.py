@@ -1,7 +1,7 @@
 """Convolutions inside reversed scans run in the layout XLA:CPU runs fast.
 
 The engine evaluates every ``conv_general_dilated`` through
-``revnet/_engine/layout.py``: explicit transposes around a canonical
+``revnet/_engine/fast_convolutions.py``: explicit transposes around a canonical
 (``b01f_01io->b01f``) convolution, for the forward value and for every
 convolution of its VJP. These tests check that values and derivatives are the
 primitive's for every layout and convolution option, that a reversible conv
@@ -21,7 +21,7 @@ from jax import lax
 
 import revnet
 from revnet import blocks
-from revnet._engine import layout
+from revnet._engine import fast_convolutions
 from tests.helpers import assert_trees_close, cotangents_like, tolerance
 
 DTYPES = ["float32", "float64"]
@@ -104,7 +104,7 @@ def _conv_pair(case, dtype, seed):
     ]
 
     def ours(a, b):
-        return layout.conv(dict(eqn.params), [a, b])[0]
+        return fast_convolutions.conv(dict(eqn.params), [a, b])[0]
 
     return lhs, rhs, plain, ours
 

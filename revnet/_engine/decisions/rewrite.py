@@ -1,28 +1,25 @@
 """The decision pass: one walk over a jaxpr that classifies every equation
 reading a rebuilt value (:mod:`.continuity`) and rewrites the decisions into
 stored outputs (:mod:`.replays` says how each is made and replayed); nested
-calls are handled by :class:`~revnet._engine.nested_calls.NestedCalls`.
+calls are handled by :class:`~revnet._engine.decisions.nested.NestedCalls`.
 :func:`revnet._engine.decisions.expose` is its entry point.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from revnet._engine import continuity as cont
-from revnet._engine import exact, replays
+from revnet._engine import exact
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
-from revnet._engine.nested_calls import NestedCalls
-
-# The names of revnet.marks' marks (custom_jvp identities of one boolean).
-DECISION_MARK = "revnet_decision"
-KINK_MARK = "revnet_kink"
+from revnet._engine.decisions import continuity as cont
+from revnet._engine.decisions import replays
+from revnet._engine.decisions.nested import NestedCalls, body_tin
+from revnet._engine.decisions.record import DECISION_MARK, KINK_MARK, Kept, Result
 
 # Calls whose body may hold decisions that can be stored as extra outputs.
 _REMAT = frozenset({"remat", "remat2", "checkpoint"})
@@ -30,66 +27,36 @@ _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxp
 _STORE_OUTPUTS = frozenset({"round", "floor", "ceil"})
 
 
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """One value the forward pass stores for the backward pass.
-
-    Attributes:
-      reason: ``"decision"`` (a result that jumps, or what decides it),
-        ``"kink"`` (the branch of a kink, with ``kinks="store"``) or
-        ``"inputs"`` (an equation's rebuilt inputs, at which the backward
-        pass evaluates it).
-      primitive: the primitive of the equation it is kept for.
-      where: the user's source line of that equation, or ``""``.
-      within: the loops and calls it sits in, outermost first (``"scan"``,
-        ``"checkpoint"``, ``"cond"``); a ``scan`` stacks it once per step.
-      call: the function a call equation wraps (``relu``), or ``""``.
-    """
-
-    reason: str
-    primitive: str
-    where: str
-    within: tuple[str, ...] = ()
-    call: str = ""
-
-    @property
-    def label(self) -> str:
-        """The equation for messages: ``"`custom_jvp_call` (relu)"``."""
-        return f"`{self.primitive}`" + (f" ({self.call})" if self.call else "")
-
-
-@dataclasses.dataclass
-class _Result:
-    eqns: list
-    fused: list
-    outvars: list
-    extra: list
-    kept: list
-    tout: list
-
-
 # How many values :meth:`Pass._computes_narrow` follows before it gives up
 # (and the cast is stored, as a decision).
 _NARROW_SEARCH = 10_000
 
 
-class Pass(NestedCalls):
-    """One rewrite: tracks rebuilt variables, collects decisions and kinks."""
+class Pass:
+    """One rewrite of one jaxpr: tracks rebuilt variables, collects decisions
+    and kinks. Nested calls are handed to its :class:`NestedCalls`, which
+    makes a pass of its own (:meth:`sub`) for each body."""
 
     def __init__(self, kinks: bool, soft: bool = True, decisions: bool = True):
         self.kinks, self.soft, self.decisions = kinks, soft, decisions
+        self.nested = NestedCalls(self.sub)
+        # Of the jaxpr being run: which variables are rebuilt, the equation
+        # making each variable, the uses of each, and those differentiated.
+        self.taint: dict = {}
+        self.producer: dict = {}
+        self.uses: dict = collections.defaultdict(list)
+        self.graded: set = set()
 
     def sub(self) -> Pass:
         """A pass with the same options, for a nested body."""
         return Pass(self.kinks, self.soft, self.decisions)
 
-    def run(self, jaxpr: Any, rebuilt: Sequence[bool]) -> _Result:
+    def run(self, jaxpr: Any, rebuilt: Sequence[bool]) -> Result:
         """The rewritten equations of ``jaxpr``, its stored decisions (extra
         outputs, made by those equations) and which outputs are rebuilt."""
         taint = dict(zip(jaxpr.invars, rebuilt))
         eqns, outvars = self._flatten(jaxpr, taint)
         self.producer = {v: e for e in eqns for v in e.outvars if not jx.is_dropvar(v)}
-        self.uses: dict = collections.defaultdict(list)
         for e in eqns:
             for n, a in enumerate(e.invars):
                 if not jx.is_literal(a):
@@ -98,10 +65,6 @@ class Pass(NestedCalls):
             if not jx.is_literal(a):
                 self.uses[a].append((None, 0))
         self.graded = _differentiated(eqns, outvars)
-        # A deciding call (by id) -> the call returning its results too, and
-        # the ids of the replaying calls the forward pass does without.
-        self.fusions: dict[int, Any] = {}
-        self.replays: set[int] = set()
         self.taint = taint
         sub: dict = {}
         new: list = []
@@ -137,9 +100,9 @@ class Pass(NestedCalls):
                 if not jx.is_literal(o):
                     taint[o] = t
         outvars = [atom(a) for a in outvars]
-        fused = [self.fusions.get(id(e), e) for e in new if id(e) not in self.replays]
+        fused = self.nested.fused(new)
         tout = [self.tainted(a) for a in outvars]
-        return _Result(new, fused, outvars, extra, kept, tout)
+        return Result(new, fused, outvars, extra, kept, tout)
 
     def tainted(self, a) -> bool:
         """Whether ``a`` is a rebuilt float: rebuilt integers and booleans are
@@ -224,21 +187,21 @@ class Pass(NestedCalls):
         if _marked(e, DECISION_MARK):
             return self._outputs(e, outs) if self.decisions else keep
         if name == "scan":
-            return self._scan(e, tin)
+            return self.nested.scan(e, tin)
         if name in _REMAT:
-            return self._remat(e, tin)
+            return self.nested.remat(e, tin)
         if name == "cond":
-            return self._cond(e, tin)
+            return self.nested.cond(e, tin)
         if name == "while":
-            return self._while(e, tin)
+            return self.nested.while_loop(e, tin)
         if jx.shard_map_params(e) is not None:
-            return self._shard_map(e, tin)
+            return self.nested.shard_map(e, tin)
         if not float_in:
             return keep
         if name in _CUSTOM or jx.custom_rule_kind(e) is not None:
             return self._custom(e, tin)
         if jx.call_body(e) is not None:  # other calls: classified in their body
-            r = self.sub().run(jx.call_body(e).jaxpr, self._body_tin(e, tin))
+            r = self.sub().run(jx.call_body(e).jaxpr, body_tin(e, tin))
             if r.extra:
                 return self._at_point(e, tin, "inputs")
             return keep
@@ -390,24 +353,21 @@ class Pass(NestedCalls):
 
     # -- nested jaxprs -------------------------------------------------------- #
 
-    def _body_tin(self, e, tin) -> list[bool]:
-        return [False] * len(jx.call_body(e).consts) + list(tin)
-
     def _custom(self, e, tin):
         """A ``custom_jvp``/``custom_vjp`` function: its derivative is its own
         rule's, so a decision (or, with ``kinks="store"``, a kink) in its body
         is replayed by evaluating the whole call at its stored inputs. A
         ``custom_ivjp`` function is inverted by the user's inverse instead
-        (:meth:`_custom_ivjp`)."""
+        (:meth:`NestedCalls.custom_ivjp`)."""
         if jx.tag_kind(e) == "custom_ivjp":
-            return self._custom_ivjp(e, tin)
+            return self.nested.custom_ivjp(e, tin)
         body = jx.call_body(e)
         keep = [e], [], [], list(e.outvars), [True] * len(e.outvars)
         if exact.is_exact(e):
             return keep  # revnet.exact: its inputs are rebuilt bit for bit
         if body is None:
             return self._at_point(e, tin, "inputs")
-        r = self.sub().run(body.jaxpr, self._body_tin(e, tin))
+        r = self.sub().run(body.jaxpr, body_tin(e, tin))
         if not r.extra:
             return keep
         if self.kinks and _is_relu(e):

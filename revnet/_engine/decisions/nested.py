@@ -4,25 +4,27 @@ decisions (stacked per step for a scan), and a *replaying* call, which takes
 them as inputs in place of the equations that made them; the forward pass
 runs one *fused* call returning both. A ``custom_ivjp`` function is split so
 too, its replaying call still solved by the user's inverse
-(:mod:`revnet._engine.ivjp_replay`). A ``while`` loop or ``shard_map`` whose
+(:mod:`revnet._engine.decisions.ivjp_replay`). A ``while`` loop or ``shard_map`` whose
 body decides on rebuilt values is refused in one line.
 
-:class:`NestedCalls` is mixed into the decision pass
-(:class:`revnet._engine.decision_pass.Pass`), which gives it ``sub()`` (a
-pass for a body), ``fusions`` and ``replays``.
+:class:`NestedCalls` is the decision pass's collaborator
+(:class:`revnet._engine.decisions.rewrite.Pass` holds one): it runs a new
+pass over each body and records which deciding call the forward pass runs
+fused, and which replaying call it does without.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from revnet._engine import jaxpr as jx
+from revnet._engine.decisions.ivjp_replay import Replayed
 from revnet._engine.errors import cannot_store
-from revnet._engine.ivjp_replay import Replayed
 
 
 def _refuse(what: str, r: Any, outer: Any, fix: str) -> ValueError:
@@ -51,8 +53,29 @@ _WHILE_COND = (
 )
 
 
+def body_tin(e: Any, tin: Sequence[bool]) -> list[bool]:
+    """Which inputs of call ``e``'s body are rebuilt: its constants are not."""
+    return [False] * len(jx.call_body(e).consts) + list(tin)
+
+
 class NestedCalls:
-    """The handlers of nested calls, for the decision pass."""
+    """The handlers of nested calls, for one decision pass.
+
+    Args:
+      sub: Makes a pass with the same options, for a body.
+    """
+
+    def __init__(self, sub: Callable[[], Any]):
+        self.sub = sub
+        # A deciding call (by id) -> the call returning its results too, and
+        # the ids of the replaying calls the forward pass does without.
+        self.fusions: dict[int, Any] = {}
+        self.replays: set[int] = set()
+
+    def fused(self, eqns: Sequence[Any]) -> list:
+        """``eqns`` as the forward pass runs them: each deciding call fused
+        with its replaying call."""
+        return [self.fusions.get(id(e), e) for e in eqns if id(e) not in self.replays]
 
     def _nested(self, body: Any, rebuilt: list[bool]):
         """``(result, deciding body, replaying body)`` of a nested jaxpr."""
@@ -71,7 +94,7 @@ class NestedCalls:
         self.replays.add(id(replay))
         return [decide, replay]
 
-    def _scan(self, e, tin):
+    def scan(self, e, tin):
         sp = jx.scan_params(e)
         nb, nc, ncar = len(sp.body.consts), sp.num_consts, sp.num_carry
         body = sp.body.jaxpr
@@ -95,9 +118,9 @@ class NestedCalls:
         why = [dataclasses.replace(k, within=("scan", *k.within)) for k in r.kept]
         return self._pair(decide, replay, fused), stacked, why, list(e.outvars), tout
 
-    def _remat(self, e, tin):
+    def remat(self, e, tin):
         body = jx.call_body(e)
-        r, deciding, replaying = self._nested(body.jaxpr, self._body_tin(e, tin))
+        r, deciding, replaying = self._nested(body.jaxpr, body_tin(e, tin))
         if deciding is None:  # (with constants and decisions it was inlined)
             return [e], [], [], list(e.outvars), r.tout
         outs = [jx.new_var(jx.aval(v)) for v in r.extra]
@@ -108,7 +131,7 @@ class NestedCalls:
         why = [dataclasses.replace(k, within=("checkpoint", *k.within)) for k in r.kept]
         return self._pair(decide, replay, fused), outs, why, list(e.outvars), r.tout
 
-    def _custom_ivjp(self, e, tin):
+    def custom_ivjp(self, e, tin):
         """A ``custom_ivjp`` function: a unit whose inverse and log-determinant
         are the user's, never evaluated at stored copies of its inputs (that
         would store the stream and hide the inverse). With a fused
@@ -116,7 +139,7 @@ class NestedCalls:
         Otherwise its cotangents come from its body at the rebuilt inputs, so
         a decision there is stored: the call is split into a deciding ``jit``
         of its body and a replaying call, still solved by the user's inverse
-        (:class:`~revnet._engine.ivjp_replay.Replayed`)."""
+        (:class:`~revnet._engine.decisions.ivjp_replay.Replayed`)."""
         n = len(e.outvars)
         keep = [e], [], [], list(e.outvars), [True] * n
         fn = jx.tag_of(e)
@@ -124,7 +147,7 @@ class NestedCalls:
         if fn.user_vjp or match is None:
             return keep  # (without a match, the analysis refuses it)
         body = jx.call_body(e)
-        r, deciding, replaying = self._nested(body.jaxpr, self._body_tin(e, tin))
+        r, deciding, replaying = self._nested(body.jaxpr, body_tin(e, tin))
         if deciding is None:
             return keep
         nh, record = match
@@ -151,7 +174,7 @@ class NestedCalls:
         ]
         return self._pair(decide, replay, fused), stored, why, list(e.outvars), keep[4]
 
-    def _cond(self, e, tin):
+    def cond(self, e, tin):
         """A ``cond``: each branch stores its own decisions; the deciding call
         returns zeros in the slots of the other branches'."""
         branches = jx.cond_branches(e)
@@ -200,7 +223,7 @@ class NestedCalls:
         ]
         return self._pair(decide, replay, fused), slots, why, list(e.outvars), tout
 
-    def _while(self, e, tin):
+    def while_loop(self, e, tin):
         """A ``while`` loop: its trip count is read at run time, so a decision
         in its body or condition cannot be stored per step, and is refused."""
         cond, cn, body, bn = jx.while_bodies(e)
@@ -222,7 +245,7 @@ class NestedCalls:
                 raise _refuse(what, res, e, fix)
         return [e], [], [], list(e.outvars), carry
 
-    def _shard_map(self, e, tin):
+    def shard_map(self, e, tin):
         """A ``shard_map`` is kept; a decision in its body is refused in one line.
 
         Its per-device decisions would need outputs of their own specs; until

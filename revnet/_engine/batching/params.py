@@ -1,6 +1,6 @@
 """Which equations with batched inputs keep each example at its leading
 position, read from their params: the per-primitive rules of
-:mod:`revnet._engine.batch_axes` (``dot_general``'s batch dimensions, a
+:mod:`revnet._engine.batching.axes` (``dot_general``'s batch dimensions, a
 ``gather``'s dimension numbers, a ``transpose``'s permutation, ...).
 
 Each rule answers for an equation whose batched inputs and outputs all lead
@@ -10,6 +10,8 @@ with the batch's shape (checked before); a rule that cannot tell says no.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from revnet._engine import jaxpr as jx
 
@@ -51,7 +53,7 @@ def _free(axes: Any, k: int) -> bool:
     """Whether the axes ``axes`` (an int or ints) all lie past the batch's."""
     if axes is None:
         return True
-    if isinstance(axes, int):
+    if np.ndim(axes) == 0:  # an int, or a NumPy integer (jnp.roll's axis)
         axes = (axes,)
     return all(int(a) >= k for a in axes)
 

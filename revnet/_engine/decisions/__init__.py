@@ -7,13 +7,13 @@ value jumps, so near a tie (``b > 0`` with ``b`` about zero, equal logits in an
 ``argmax``, a half-integer under ``round``, a multiple of the modulus under
 ``rem``) the rebuilt input can land on the other side, the gradient then
 follows the branch the forward pass did not take, and the rebuilt inputs
-themselves are wrong from there on. :mod:`revnet._engine.continuity` says
+themselves are wrong from there on. :mod:`revnet._engine.decisions.continuity` says
 which equations are decisions, kinks, guards or smooth.
 
 :func:`expose` rewrites a jaxpr so that every decision reading a rebuilt value
 becomes an extra output, which the forward pass saves and the backward pass
 reads instead of deciding again. What is stored depends on the decision
-(:mod:`revnet._engine.replays`): a comparison's or an index's result; the
+(:mod:`revnet._engine.decisions.replays`): a comparison's or an index's result; the
 indices of ``top_k``; a ``sort``'s permutation; for any other jump (``rem``,
 ``reduce_precision``, a narrowing cast, a ``custom_jvp`` function whose body
 decides) the equation's rebuilt inputs, at which the backward pass evaluates
@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from revnet._engine import jaxpr as jx
-from revnet._engine.decision_pass import DECISION_MARK, KINK_MARK, Kept, Pass
+from revnet._engine.decisions.record import DECISION_MARK, KINK_MARK, Kept
+from revnet._engine.decisions.rewrite import Pass
 
 __all__ = [
     "DECISIONS",
@@ -60,7 +61,6 @@ __all__ = [
     "KINK_MARK",
     "Exposed",
     "Kept",
-    "check_options",
     "expose",
     "stored_bytes",
 ]
@@ -92,16 +92,6 @@ class Exposed:
     def forward_jaxpr(self) -> Any:
         """The jaxpr the forward pass evaluates."""
         return self.jaxpr if self.forward is None else self.forward
-
-
-def check_options(decisions: str, kinks: str, where: str) -> None:
-    """Raises a one-line ValueError for an unknown ``decisions``/``kinks``."""
-    if decisions not in DECISIONS:
-        raise ValueError(
-            f"{where}: decisions must be one of {DECISIONS}, got {decisions!r}"
-        )
-    if kinks not in KINKS:
-        raise ValueError(f"{where}: kinks must be one of {KINKS}, got {kinks!r}")
 
 
 def expose(

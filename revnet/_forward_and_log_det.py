@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from revnet._engine import known_args, log_det, reads, trace_program
-from revnet.invertible import _check_args, _Invertible, exposed_plan, invertible
+from revnet._engine import Storage, flat_call, known_args, log_det, plan_call, reads
+from revnet.invertible import Invertible
 
 __all__ = ["forward_and_log_det"]
 
@@ -151,19 +151,11 @@ def derive(
       ValueError: With ``aux``'s message, if the program computes ``aux``
         from a rebuilt argument.
     """
-    options: Any = _Options()
-    if isinstance(fun, _Invertible):
-        options = fun
+    if isinstance(fun, Invertible):
         known = tuple(sorted({*fun.known_argnums, *known_argnums}))
-        inner = _WithLogDet(fun.fun, known, options, batch_ndim, advice, aux)
-        return invertible(
-            inner, known_argnums=known, decisions=fun.decisions, kinks=fun.kinks
-        )(*args)
-    return _WithLogDet(fun, known_argnums, options, batch_ndim, advice, aux)(*args)
-
-
-class _Options:
-    decisions, kinks = "store", "recompute"
+        inner = _WithLogDet(fun.fun, known, fun.storage, batch_ndim, advice, aux)
+        return Invertible(inner, fun.storage, known)(*args)
+    return _WithLogDet(fun, known_argnums, Storage(), batch_ndim, advice, aux)(*args)
 
 
 class _WithLogDet:
@@ -174,33 +166,24 @@ class _WithLogDet:
         self,
         fun: Callable[..., Any],
         known: tuple,
-        options: Any,
+        storage: Storage,
         batch_ndim: int,
         advice: str,
         aux: str | None = None,
     ):
-        self.fun, self.known, self.options = fun, known, options
+        self.fun, self.known, self.storage = fun, known, storage
         self.batch_ndim, self.advice, self.aux = batch_ndim, advice, aux
         self.__name__ = getattr(fun, "__name__", "function")
 
     def __call__(self, *args: Any) -> tuple[Any, jax.Array]:
         fname = self.__name__
-        known = known_args.positions(self.known, len(args), fname)
-        fun, rest = known_args.close_over(self.fun, args, known)
-        _check_args(rest, fname)
-        flat_args, in_tree = jax.tree_util.tree_flatten(rest)
-        paths = known_args.rebuilt_paths(args, known)
+        call = flat_call(self.fun, args, self.known, name=fname)
+        flat_args, paths = call.args, call.paths()
         _check_floating(flat_args, paths, fname)
         k = self.batch_ndim
         batch = _batch_shape(flat_args, paths, k, fname) if k else None
-
-        def flat_fun(*flat):
-            return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
-
-        jaxpr, _, consts, out_tree = trace_program(flat_fun, flat_args)
-        exposed, plan = exposed_plan(
-            jaxpr, len(consts), args, known, lambda: paths, fname, self.options
-        )
+        p = plan_call(call, self.storage)
+        jaxpr, consts, out_tree = p.jaxpr, p.consts, p.out_tree
         n_out = len(jaxpr.outvars)
         if self.aux is not None:  # the leaves of ``outputs`` come first
             n_out = out_tree.children()[0].num_leaves
@@ -223,8 +206,8 @@ class _WithLogDet:
 
         zero = log_det.zero(flat_args, batch or (), dtype)
         outs, total = log_det.evaluate(
-            plan,
-            exposed.jaxpr,
+            p.plan,
+            p.exposed.jaxpr,
             [*consts, *flat_args],
             reduce,
             zero,

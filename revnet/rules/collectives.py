@@ -2,7 +2,7 @@
 ``pvary``; ``ppermute``, ``all_gather``, ``all_to_all``.
 
 The engine gives every solved input its type's sharding
-(``revnet._engine.sharding.cast_like``): an Explicit sharding by a
+(``revnet._engine.sharded_types.cast_like``): an Explicit sharding by a
 ``reshard``, varying axes by a ``pcast``, and an invariant value from a
 varying one by an exact all-reduce of one device's copy. So the inverse of an
 identity-like primitive is the identity on values. Collectives run inside
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from revnet._engine import NotInvertibleError
+from revnet._engine import SMOOTH, NotInvertibleError, define
 
 
 def _same_value(outs, ins, **params):
@@ -88,14 +88,12 @@ def _all_to_all(
     return [lax.all_to_all(outs[0], axis_name, concat_axis, split_axis, tiled=True)]
 
 
-# name -> (rule, log-determinant term). A per-device permutation of values
+# Collectives and placements: smooth. A per-device permutation of values
 # (``ppermute``, ``all_to_all``) preserves volume; ``all_gather`` copies a slice
 # to every device, which has no log-determinant.
-SHARDING = {
-    "sharding_constraint": (_same_value, 0),
-    "reshard": (_same_value, 0),
-    "pvary": (_same_value, 0),
-    "ppermute": (_ppermute, 0),
-    "all_gather": (_all_gather, None),
-    "all_to_all": (_all_to_all, 0),
-}
+define("sharding_constraint", inverse=_same_value, continuity=SMOOTH, log_det=0)
+define("reshard", inverse=_same_value, continuity=SMOOTH, log_det=0)
+define("pvary", inverse=_same_value, continuity=SMOOTH, log_det=0)
+define("ppermute", inverse=_ppermute, continuity=SMOOTH, log_det=0)
+define("all_gather", inverse=_all_gather, continuity=SMOOTH, log_det=None)
+define("all_to_all", inverse=_all_to_all, continuity=SMOOTH, log_det=0)

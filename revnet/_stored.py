@@ -3,9 +3,10 @@
 In the manner of ``jax.ad_checkpoint.print_saved_residuals``,
 :func:`stored` traces ``jax.vjp(f, *args)`` abstractly (``jax.eval_shape``:
 no computation) while revnet's ``@invertible`` functions and loops record what
-their forward passes save (:mod:`revnet._engine.kept`), and returns a
-:class:`StoredReport`: one row per saved value, with its kind, shape, dtype,
-bytes, source line and reason, and whether it grows per layer or step.
+their forward passes save (:mod:`revnet._engine.decisions.residuals`), and
+returns a :class:`StoredReport`: one row per saved value, with its kind,
+shape, dtype, bytes, source line and reason, and whether it grows per layer or
+step.
 
 The rows are matched, one to one by shape and dtype, against the residuals
 JAX's ``vjp`` really keeps; those that no revnet function saved (JAX's own
@@ -30,8 +31,8 @@ from typing import Any
 
 import jax
 
-from revnet._engine import kept
-from revnet._engine.kept import StoredGrowthWarning, StoredValue
+from revnet._engine.decisions import residuals as saves
+from revnet._engine.decisions.residuals import StoredGrowthWarning, StoredValue
 
 __all__ = ["StoredGrowthWarning", "StoredReport", "StoredValue", "stored"]
 
@@ -137,16 +138,16 @@ def _claim(values: list[StoredValue], residuals: list[Any]) -> list[StoredValue]
                 if d == dtype and (s == shape if exact else _within(shape, s)):
                     free.remove(k)
                     out[n] = dataclasses.replace(
-                        v, shape=s, nbytes=kept.nbytes(s, v.dtype)
+                        v, shape=s, nbytes=saves.nbytes(s, v.dtype)
                     )
                     break
     why = "saved by JAX outside revnet's functions"
     return [o if o is not None else v for o, v in zip(out, values)] + [
-        kept.StoredValue(
-            kept.OTHER,
+        saves.StoredValue(
+            saves.OTHER,
             left[k][0],
             residuals[k].dtype,
-            kept.nbytes(left[k][0], residuals[k].dtype),
+            saves.nbytes(left[k][0], residuals[k].dtype),
             "",
             why,
             "jax",
@@ -206,7 +207,7 @@ def stored(f: Callable[..., Any], *args: Any, **kwargs: Any) -> StoredReport:
     (704, 64)
     """
     fun = functools.partial(f, **kwargs) if kwargs else f
-    with kept.recording() as values:
+    with saves.recording() as values:
         closure = jax.eval_shape(lambda *a: jax.vjp(fun, *a)[1], *args)
     entries = _claim(list(values), jax.tree_util.tree_leaves(closure))
     return StoredReport(
