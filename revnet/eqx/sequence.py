@@ -24,81 +24,21 @@ import jax
 
 import revnet
 from revnet._checks import fail
-from revnet._layers import data_init
 from revnet._layers.activation_sharding import constrain
 from revnet._layers.checks import check_blocks, check_input
 from revnet._layers.options import OptionViews, StackOptions
 from revnet._layers.precision import ComputeDtype
 from revnet._layers.stack import invert_stack, run_stack, run_stack_with_log_det
 from revnet.eqx._call import (
-    call,
     check_takes_key,
     holds_state,
     missing_state,
     raised_by_revnet,
-    traces,
 )
 from revnet.eqx._init import initialized
-from revnet.eqx.flow import actnorms
+from revnet.eqx._layer import layer_function
 
 _NAME = "ReversibleSequence"
-
-
-def _layer(static: Any, axis_name: Hashable | None, seen: list | None = None):
-    """The pure layer function of blocks split off ``static``.
-
-    With ``seen`` (a sequence's ``initialize``), the block runs with
-    data-dependent initialisation on: its output is ``(y, params)``, the
-    parameters its ActNorms report, and ``seen`` gets their positions among
-    the block's ActNorms."""
-
-    def layer(params, state, key, h):
-        block = eqx.combine(params, static)
-
-        def one(h, state, key):
-            if seen is None:
-                return call(_NAME, "the block", block, h, state, key)
-            with data_init.collecting() as found:
-                y, sub = call(_NAME, "the block", block, h, state, key)
-            nodes = actnorms(block)
-            seen[:] = [next(i for i, n in enumerate(nodes) if n is m) for m, _ in found]
-            return (y, [p for _, p in found]), sub
-
-        if axis_name is None:
-            return one(h, state, key)
-        keys = None if key is None else jax.random.split(key, h.shape[0])
-        batched = jax.vmap(
-            one,
-            in_axes=(0, None, None if keys is None else 0),
-            out_axes=(0, None),
-            axis_name=axis_name,
-        )
-        try:
-            return batched(h, state, keys)
-        except (TypeError, ValueError) as e:
-            if raised_by_revnet(e):
-                raise
-            said = (
-                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            )
-            failed = (
-                f"{_NAME}: the block failed on one example of x, of shape "
-                f"{h.shape[1:]} (the sequence vmaps it over x's leading axis, "
-                f"axis_name={axis_name!r})"
-            )
-            one = None if keys is None else keys[:1]
-            if traces(lambda h: batched(h[None], state, one), h):
-                raise type(e)(
-                    f"{failed}, and runs on all of x as one example: build the "
-                    "sequence with axis_name=None and jax.vmap it over examples. "
-                    f"The block said: {said}"
-                ) from e
-            raise type(e)(
-                f"{failed}: {said.rstrip('.')}; give x the per-example shape the "
-                "blocks were built for."
-            ) from e
-
-    return layer
 
 
 class ReversibleSequence(OptionViews, eqx.Module):
@@ -266,7 +206,9 @@ class ReversibleSequence(OptionViews, eqx.Module):
         for i, block in enumerate(blocks):
             params, static = eqx.partition(block, eqx.is_array)
             substate = None if state is None else state.substate(block)
-            layers.append(_layer(static, None if per_example else self.axis_name))
+            layers.append(
+                layer_function(static, None if per_example else self.axis_name)
+            )
             layer_keys = keys if keys is None or self.stacked else keys[i]
             per_layer.append((params, substate, layer_keys))
         if self.stacked:
@@ -419,7 +361,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
           The initialised sequence.
         """
         per_layer = self._per_layer(x, state, key, "initialize")[1]
-        return initialized(self, per_layer, x, _layer)
+        return initialized(self, per_layer, x, layer_function)
 
     def inverse(
         self,
