@@ -234,7 +234,12 @@ class ReversibleSequence(OptionViews, eqx.Module):
         return y, self._updated(state, new_substates)
 
     def _updated(self, state: eqx.nn.State, new_substates: Any) -> eqx.nn.State:
-        """``state`` with the blocks' new substates (from the stack)."""
+        """``state`` with the blocks' new substates (from the stack).
+
+        A clone is updated: Equinox marks a state it updated as used, and the
+        state the call was given stays readable for :meth:`inverse`."""
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        state = jax.tree_util.tree_unflatten(tree, leaves)
         for sub in (new_substates,) if self.stacked else new_substates:
             if sub is not None:
                 state = state.update(sub)
