@@ -37,6 +37,8 @@ from revnet._engine.errors import (
     REFUSED,
     RESIDUAL,
     RESIDUAL_PRIMITIVES,
+    STATISTIC,
+    STATISTIC_PRIMITIVES,
     WAITING,
     WRAP,
     WRAP_PRIMITIVES,
@@ -48,6 +50,17 @@ from revnet._engine.errors import (
 )
 from revnet._engine.plan import Forward, Plan, Solve, var_avals, wiring
 from revnet._engine.rule_check import abstract_solve
+
+# Elementwise arithmetic and broadcasts, through which a normalisation's
+# statistic reaches the stream (:meth:`Analysis._reduction_of`).
+_PASS_THROUGH = frozenset(
+    {
+        *RESIDUAL_PRIMITIVES,
+        *("neg", "rsqrt", "sqrt", "square", "integer_pow", "max", "min"),
+        *("convert_element_type", "broadcast_in_dim", "reshape", "squeeze"),
+        *("expand_dims", "copy", "stop_gradient"),
+    }
+)
 
 # Values computed from literals only are folded at trace time up to this size.
 STATIC_MAX_SIZE = 1 << 20
@@ -281,12 +294,44 @@ class Analysis:
         first, second = (self._unknown_sources(v) for v in operands)
         if not first & second:
             return
+        # A shift or scale by a statistic of the stream: a normalisation.
+        normalises = jx.primitive_name(failure.eqn) in ("sub", "mul", "div")
+        reduction = self._reduction_of(operands) if normalises else None
+        if reduction is not None:
+            failure.reason = (
+                "both operands depend on the same unknown value, one through "
+                f"`{reduction}` over it (a statistic of the stream, such as a "
+                "normalisation's batch mean or variance), which its output does "
+                "not give back"
+            )
+            failure.hint = STATISTIC
+            return
         op = _OPERATOR.get(jx.primitive_name(failure.eqn), "+")
         failure.reason = (
             "both operands depend on the same unknown value, as in a residual "
             f"x {op} f(x), which cannot be solved for x"
         )
         failure.hint = RESIDUAL
+
+    def _reduction_of(self, operands: Sequence[int]) -> str | None:
+        """The reduction a normalisation divides or shifts by: the name of
+        one found going back from ``operands`` through elementwise
+        arithmetic and broadcasts only (``rsqrt(var + eps)``, a mean
+        broadcast), or None. A reduction behind a layer (``x + f(norm(x))``,
+        where ``f`` holds a matrix product) is not one."""
+        stack, seen = list(operands), set()
+        while stack:
+            u = stack.pop()
+            j = self.eqn_of.get(u)
+            if u in seen or u in self.known or j is None:
+                continue
+            seen.add(u)
+            name = jx.primitive_name(self.jaxpr.eqns[j])
+            if name in STATISTIC_PRIMITIVES:
+                return name
+            if name in _PASS_THROUGH:
+                stack.extend(v for v in self.wiring.eqn_ins[j] if v is not None)
+        return None
 
     def _unknown_sources(self, v: int) -> set[int]:
         """``v`` and the unknown values it is computed from."""
@@ -340,6 +385,11 @@ class Analysis:
                 elif name in WRAP_PRIMITIVES:
                     reason += ": it wraps values into a period"
                     self.fail(i, eqn, reason, hint=WRAP)
+                elif name == "optimization_barrier":
+                    # A barrier keeps values the forward pass's only (a
+                    # layer's new state): never solved through, it is never
+                    # why the inputs are not rebuilt.
+                    pass
                 else:
                     self.fail(i, eqn, reason)
             return []

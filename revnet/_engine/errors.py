@@ -42,7 +42,7 @@ BROKEN, REFUSED, WAITING = 0, 1, 2
 # one half of the stream from a function of the other, known, half; functions
 # that lose information belong there.
 RESIDUAL, ON_STREAM, CAST, SINGULAR = "residual", "on_stream", "cast", "singular"
-WRAP = "wrap"
+WRAP, STATISTIC = "wrap", "statistic"
 _COUPLING = "y1 = x1 + f(x2); y2 = x2 + g(y1)"
 HINTS = {
     RESIDUAL: (
@@ -64,6 +64,12 @@ HINTS = {
         "periodic wrap, as jax_md.space.free()'s shift does) and wrap them only "
         "where they are read, in displacements and energies: a wrapped "
         "coordinate no longer says how many periods it crossed"
+    ),
+    STATISTIC: (
+        "try: normalise inside a coupling's F or G (a BatchNorm or LayerNorm "
+        "there), or use an ActNorm on the stream (revnet.blocks.ActNorm, "
+        "revnet.nnx.ActNorm or revnet.eqx.ActNorm: a learned per-channel scale "
+        "and shift, which inverts)"
     ),
     SINGULAR: (
         "try: use an invertible matrix (identity- or orthogonal-initialised, or "
@@ -94,6 +100,11 @@ WRAP_PRIMITIVES = frozenset({"rem"})
 # Binary primitives whose operands, both depending on one unknown value, make a
 # residual ``x + f(x)`` (or ``x * f(x)``).
 RESIDUAL_PRIMITIVES = frozenset({"add", "add_any", "sub", "mul", "div"})
+# Reductions: a statistic of the stream (a normalisation's mean or variance)
+# that the normalised output does not give back.
+STATISTIC_PRIMITIVES = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "psum", "pmean"}
+)
 
 
 @dataclasses.dataclass

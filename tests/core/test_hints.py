@@ -340,3 +340,85 @@ def test_a_damped_step_that_overflows_names_damping_with_run_time_checks():
     assert "the inverse of `mul`" in message and "<locals>.step)" in message, message
     assert "damping factor of modulus below 1" in message, message
     assert "mode='checkpoint'" in message, message
+
+
+# --------------------------------------------------------------------------- #
+# A normalisation by batch statistics on the stream: inside F or G, or ActNorm.
+
+_STATISTIC = "a statistic of the stream"
+
+
+def _assert_statistic(error: BaseException | list[str]) -> None:
+    first, hint = error if isinstance(error, list) else _lines(error)
+    assert "is not invertible: cannot solve `" in first, first
+    assert _STATISTIC in first and "test_hints.py" in first, first
+    assert "optimization_barrier" not in first, first
+    _assert_hint([first, hint], "inside a coupling's F or G", "ActNorm")
+
+
+@pytest.mark.parametrize(
+    "fun",
+    [
+        lambda x: (x - jnp.mean(x, 0)) * jax.lax.rsqrt(jnp.var(x, 0) + 1e-5),
+        lambda x: (x - jnp.mean(x, -1, keepdims=True)) / jnp.std(x, -1, keepdims=True),
+    ],
+    ids=["batch norm", "layer norm"],
+)
+def test_normalisation_on_the_stream_names_its_statistic(fun):
+    _assert_statistic(_refusal(fun, _ramp()))
+
+
+def _ramp():
+    return jnp.arange(12.0).reshape(3, 4) / 7.0
+
+
+def test_haiku_batch_norm_on_the_stream_names_its_statistic():
+    """hk.BatchNorm in training mode as a block: the refusal names the block's
+    line and the batch statistic, not the barrier revnet puts behind a
+    layer's new state."""
+
+    def block(h):
+        return hk.BatchNorm(True, True, 0.9)(h, is_training=True)
+
+    model = hk.transform_with_state(
+        lambda x: blocks.ReversibleSequence(block, num_layers=2)(x)
+    )
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        model.init(jax.random.PRNGKey(0), _ramp())
+    _assert_statistic(info.value)
+
+
+def test_nnx_and_equinox_batch_norm_on_the_stream_names_its_statistic():
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    import revnet.eqx
+    import revnet.nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, h):
+            return self.bn(h)
+
+    seq = revnet.nnx.ReversibleSequence(
+        lambda rngs: NnxBlock(rngs), 2, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        seq(_ramp())
+    _assert_statistic(info.value)
+
+    class EqxBlock(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self, key):
+            self.bn = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
+
+        def __call__(self, h, state, *, key=None):
+            return self.bn(h, state)
+
+    make = eqx.nn.make_with_state(revnet.eqx.ReversibleSequence)
+    seq, state = make(EqxBlock, 2, key=jax.random.key(0), axis_name="batch")
+    with pytest.raises(revnet.NotInvertibleError) as info:
+        seq(_ramp(), state)
+    _assert_statistic(info.value)
