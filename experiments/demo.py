@@ -1,6 +1,6 @@
-"""``python -m experiments.demo``: the demo, :mod:`benchmarks.demo` (``make demo``)."""
+"""``python -m experiments.demo``: runs the demo, :mod:`benchmarks.demo`
+(``make demo``)."""
 
-from benchmarks.demo import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "demo")

@@ -1,9 +1,6 @@
-"""``python -m experiments.loop_compare``: runs :mod:`benchmarks.loops`.
+"""``python -m experiments.loop_compare``: runs :mod:`benchmarks.loops`, of
+which the loop comparison is part."""
 
-The loop comparison is part of the loops benchmark.
-"""
+from experiments import run_benchmark
 
-from benchmarks.loops import main
-
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "loops")

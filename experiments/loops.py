@@ -1,6 +1,5 @@
 """``python -m experiments.loops``: runs :mod:`benchmarks.loops`."""
 
-from benchmarks.loops import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "loops")

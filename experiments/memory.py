@@ -1,6 +1,5 @@
 """``python -m experiments.memory``: runs :mod:`benchmarks.memory`."""
 
-from benchmarks.memory import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "memory")

@@ -1,6 +1,5 @@
 """``python -m experiments.numerics``: runs :mod:`benchmarks.numerics`."""
 
-from benchmarks.numerics import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "numerics")

@@ -1,6 +1,5 @@
 """``python -m experiments.overhead``: runs :mod:`benchmarks.overhead`."""
 
-from benchmarks.overhead import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "overhead")

@@ -1,6 +1,5 @@
 """``python -m experiments.speed``: runs :mod:`benchmarks.speed`."""
 
-from benchmarks.speed import main
+from experiments import run_benchmark
 
-if __name__ == "__main__":
-    main()
+run_benchmark(__name__, "speed")
