@@ -165,12 +165,16 @@ class Failure:
 
 
 class Stuck(Exception):
-    """The analysis made no progress: ``unknown`` inputs cannot be rebuilt."""
+    """The analysis made no progress: ``unknown`` inputs cannot be rebuilt.
+
+    ``by_decisions`` is set when the program itself can be inverted, and is
+    stuck only with its stored decisions exposed."""
 
     def __init__(self, failure: Failure | None, unknown: Sequence[int]):
         super().__init__("stuck")
         self.failure = failure
         self.unknown = list(unknown)
+        self.by_decisions = False
 
 
 def refusal(reason: str, *, hint: str) -> NotInvertibleError:

@@ -126,7 +126,7 @@ def solve_exposed(
     Raises:
       Stuck: When neither exposure can be solved: the program's own, when
         it is stuck without its decisions exposed too, else the last
-        exposure's.
+        exposure's, with ``by_decisions`` set.
     """
     soft = storage.expose(jaxpr, rebuilt)
     found, stuck = _attempt(solve, soft)
@@ -141,7 +141,10 @@ def solve_exposed(
     if found is not None:
         return soft, found
     _, own = _attempt(solve, Exposed(jaxpr, 0))
-    raise own or stuck
+    if own is not None:
+        raise own
+    stuck.by_decisions = True
+    raise stuck
 
 
 def _attempt(solve: Callable[[Exposed], Any], exposed: Exposed):
@@ -307,12 +310,8 @@ def _refusal(
     argument that saving instead of rebuilding would give (weights passed as
     an argument), its ``try:`` line names ``known_argnums``."""
     error = not_invertible(stuck, call.paths(), n_consts, call.name, traced=traced)
-    known_in = [n < n_consts for n in range(len(jaxpr.invars))]
-    try:  # stuck on a stored decision: saving an argument would not help
-        analyze(jaxpr, known_in, (True,) * len(jaxpr.outvars))
+    if stuck.by_decisions:  # saving an argument would not help
         return error
-    except Stuck:
-        pass
     hint = known_args.suggestion(stuck, jaxpr, n_consts, call.given, call.known)
     if hint is None:
         return error
