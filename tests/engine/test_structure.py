@@ -267,6 +267,19 @@ def test_the_private_import_finder_finds_them(tmp_path):
         del MODULES["revnet._probe"]
 
 
+def test_every_folder_of_the_package_is_a_package():
+    """A folder of modules without ``__init__.py`` imports from a checkout
+    (a namespace package) but is left out of the wheel and the sdist, which
+    list packages by ``find:``."""
+    folders = {p.parent for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts}
+    missing = sorted(
+        str(f.relative_to(ROOT.parent))
+        for f in folders
+        if not (f / "__init__.py").exists()
+    )
+    assert not missing, missing
+
+
 def test_the_decision_machinery_lives_in_one_folder():
     """The decision pass, its nested calls, continuity, replays and records
     are modules of ``_engine/decisions/``, imported only from inside it; the

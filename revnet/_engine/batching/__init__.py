@@ -1,0 +1,1 @@
+"""Batching helpers: the batch axes of values and of primitive params."""
