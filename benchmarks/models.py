@@ -298,6 +298,11 @@ def build(
     if method == "generic" and model != "mlp":
         raise Unavailable("the generic @invertible path is measured on the MLP only")
     reversible = method == "reversible"
+    layout = method if method in PLAIN_METHODS else None
+    if method == "layer_stack_remat":
+        # Its unrolled twin (for FLOPs) is the plain chain, each layer remat'd.
+        layout = "plain" if spec.get("unrolled") else "layer_stack"
+        spec = {k: v for k, v in spec.items() if k != "unrolled"}
     forward = _FORWARDS[model](spec, reversible)
     counter = [0] if method == "checkpoint" else None
 
@@ -305,11 +310,9 @@ def build(
         if counter is not None:
             with hk.intercept_methods(_remat_couplings(counter)):
                 return forward(x, is_training)
-        if method in PLAIN_METHODS:
-            with hk.intercept_methods(plain_interceptor(method)):
-                return forward(x, is_training)
-        if method == "layer_stack_remat":
-            with hk.intercept_methods(plain_interceptor("layer_stack", remat=True)):
+        if layout is not None:
+            remat = method == "layer_stack_remat"
+            with hk.intercept_methods(plain_interceptor(layout, remat=remat)):
                 return forward(x, is_training)
         return forward(x, is_training)
 
@@ -327,8 +330,7 @@ def build(
             init = init_unoptimised(init_net.init, key, x, True, static_argnums=(2,))
         params, state = init
     base = (params, state)
-    if method in PLAIN_METHODS or method == "layer_stack_remat":
-        layout = "layer_stack" if method == "layer_stack_remat" else method
+    if layout is not None:
         params, state = (convert(t, layout) for t in (params, state))
 
     if method == "generic":

@@ -23,6 +23,7 @@ from revnet._engine import (
     known_args,
     log_det,
     perturbed,
+    ratios,  # noqa: F401  (registers: the handler of an unknown in a quotient)
     registry,
     reversible_call,
     runtime_checks,

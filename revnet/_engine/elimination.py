@@ -194,7 +194,8 @@ def _shape_dtype(aval: Any) -> tuple[tuple[int, ...], str]:
 # -- the step at run time ---------------------------------------------------- #
 
 
-def _value(it: Any, poly: tuple) -> Any:
+def poly_value(it: Any, poly: tuple) -> Any:
+    """The value of a frozen polynomial in known values (:func:`frozen`)."""
     total = None
     for monomial, c in poly:
         term = c
@@ -222,9 +223,10 @@ class _EliminateHandler(Handler):
         total = None
         for v, cone, weight in step.rows:
             given = it.read(v)
-            term = _value(it, weight) * (given - _known_part(it, v, cone, step))
+            rest = known_part(it, v, cone, step.atoms, step.avals)
+            term = poly_value(it, weight) * (given - rest)
             total = term if total is None else total + term
-        solved = total / _value(it, step.coefficient)
+        solved = total / poly_value(it, step.coefficient)
         solved = solved.astype(step.dtype)
         given = [it.read(v) for v, _, _ in step.rows]
         runtime_checks.record([solved], given, _DEGENERATE)
@@ -238,11 +240,12 @@ _DEGENERATE = (
 )
 
 
-def _known_part(it: Any, v: int, cone: Sequence[int], step: Eliminate) -> Any:
-    """The value of ``v`` computed by ``cone`` with the atoms set to zero."""
-    env = {
-        a: jnp.zeros(shape, dtype) for a, (shape, dtype) in zip(step.atoms, step.avals)
-    }
+def known_part(
+    it: Any, v: int, cone: Sequence[int], atoms: Sequence[int], avals: Sequence[tuple]
+) -> Any:
+    """The value of ``v`` computed by ``cone`` with the ``atoms`` (of
+    ``(shape, dtype)`` ``avals``) set to zero: an affine form's known part."""
+    env = {a: jnp.zeros(shape, dtype) for a, (shape, dtype) in zip(atoms, avals)}
     for i in cone:
         eqn = it.jaxpr.eqns[i]
         ins = [
