@@ -83,6 +83,7 @@ from revnet._engine.registry import (
 )
 from revnet._engine.structural import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
+    known_bodies,  # noqa: F401  (registers: library bodies solved in closed form)
     scan,  # noqa: F401  (registers: lax.scan)
     select,  # noqa: F401  (registers: select_n with a known predicate)
     shard_map,  # noqa: F401  (registers: shard_map)

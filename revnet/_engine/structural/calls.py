@@ -41,7 +41,7 @@ from revnet._engine.interpreter import (
     vjp_eqn,
 )
 from revnet._engine.plan import Call, Custom
-from revnet._engine.structural import select
+from revnet._engine.structural import known_bodies, select
 
 
 class CallRule(registry.StructuralRule):
@@ -77,6 +77,9 @@ class CallRule(registry.StructuralRule):
         try:
             plan = analysis.analyze(body.jaxpr, known_in, tuple(outs))
         except Stuck as stuck:
+            found = known_bodies.recognise(an, i, eqn, ins)
+            if found is not None:
+                return found
             an.fail(
                 i,
                 eqn,
