@@ -20,7 +20,7 @@ PY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_EXP := $(VENV)/.stamp-experiments
 
-.PHONY: test test-all test-next demo demo-full docs chromium fuzz lint clean
+.PHONY: test test-all test-experiments test-next demo demo-full docs chromium fuzz lint clean
 
 $(PY):
 	@base="$(BASE_PYTHON)"; test -n "$$base" || { echo "no Python for JAX=$(JAX)" >&2; exit 1; }; \
@@ -66,7 +66,12 @@ test: $(STAMP_TEST) $(STAMP_EXP)
 
 # Everything: the fast tier and the slow one.
 test-all: $(STAMP_TEST) $(STAMP_EXP) chromium
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q -m "not experiments" tests
+
+# Every `python -m experiments.NAME --quick`, to the end (tens of minutes on
+# 2 cores: outside test-all; test-all runs each benchmark's --tiny).
+test-experiments: $(STAMP_TEST) $(STAMP_EXP)
+	$(PY) -m pytest -q -m experiments tests/project/test_experiments_quick.py
 
 # The documentation site, in strict mode: a broken link, a missing page or a
 # public name on no API page fails (docs/hooks/). Open site/index.html. No -q:

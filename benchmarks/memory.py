@@ -203,7 +203,7 @@ def sweep(model: str, depths: list[int], size: str) -> dict[str, Any]:
         budget_mib = 1024.0 if size == "full" else 64.0
         result["budget_mib"] = budget_mib
         result["budget"] = budgets(model, sizes, rows, budget_mib, size != "tiny")
-    if model == "mlp" and size != "tiny":
+    if model == "mlp":
         result["unrolled_flops"] = unrolled_flops(sizes, methods)
     if size == "full" or quick_mlp:  # peak RSS at the largest depth, 2 at a time
         jobs = [

@@ -438,6 +438,18 @@ def test_memory_tiny(tmp_path):
         assert lo <= row["time_vs_best_plain"] <= hi
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
     assert "flops_ratio" not in by["plain", top]  # unrolled: not comparable
+    # Per-block FLOPs of every method's unrolled twin (a remat'd plain chain
+    # for layer_stack_remat), as --quick and the full run measure them.
+    unrolled = mlp["unrolled_flops"]
+    assert set(unrolled) == {
+        "standard",
+        "checkpoint",
+        "reversible",
+        "plain",
+        "layer_stack_remat",
+    }, unrolled
+    assert unrolled["plain"] < unrolled["layer_stack_remat"], unrolled
+    assert unrolled["standard"] < unrolled["reversible"], unrolled
     fits = mlp["budget"]
     assert fits["reversible"]["largest_depth"] > fits["standard"]["largest_depth"]
     assert os.path.getsize(tmp_path / "memory.png") > 10_000

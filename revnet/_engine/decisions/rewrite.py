@@ -17,6 +17,7 @@ from revnet._engine import exact
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.decisions import continuity as cont
+from revnet._engine.decisions import guards
 from revnet._engine.decisions import replays
 from revnet._engine.decisions.nested import NestedCalls, body_tin
 from revnet._engine.decisions.record import DECISION_MARK, KINK_MARK, Kept, Result
@@ -176,6 +177,8 @@ class Pass:
         if float_in and used and not any(is_float_aval(jx.aval(v)) for v in used):
             outs = used
             cls = cont.classify(e)
+            if cls == cont.GUARD and guards.nonfinite_at_tie(e0, self.producer.get):
+                cls = cont.DECISION  # a NaN made at a tie (0/0): it jumps there
             if cls == cont.GUARD:
                 return keep
             if cls == cont.DECISION and self._soft(e0):
