@@ -17,8 +17,7 @@ from revnet._engine import exact
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.decisions import continuity as cont
-from revnet._engine.decisions import guards
-from revnet._engine.decisions import replays
+from revnet._engine.decisions import guards, replays
 from revnet._engine.decisions.nested import NestedCalls, body_tin
 from revnet._engine.decisions.record import DECISION_MARK, KINK_MARK, Kept, Result
 
