@@ -131,7 +131,7 @@ def assert_trees_close(
             if not is_float(e):
                 np.testing.assert_array_equal(a, e, err_msg=f"{what} leaf {n}")
     floats = [(a, e) for a, e in zip(la, le) if is_float(e)]
-    tree_max = max([float(jnp.max(jnp.abs(e))) for _, e in floats if np.size(e)] + [0])
+    tree_max = max([_finite_max(e) for _, e in floats] + [0])
     assert tree_max > 0 or not floats, f"{what}: all zero, the check would be vacuous"
     for n, (a, e) in enumerate(floats):
         a = np.asarray(a, np.float64)
@@ -139,10 +139,19 @@ def assert_trees_close(
         assert a.shape == e.shape, f"{what} leaf {n}: shape {a.shape} vs {e.shape}"
         if not a.size:
             continue
-        scale = max(float(np.max(np.abs(e))), floor * tree_max)
+        # Non-finite expected values (a NaN gradient at a tie) must be
+        # matched where they are, and leave the scale of the others alone.
+        scale = max(_finite_max(e), floor * tree_max)
         np.testing.assert_allclose(
             a, e, rtol=rtol, atol=rtol * scale, err_msg=f"{what} leaf {n}"
         )
+
+
+def _finite_max(x) -> float:
+    """The largest magnitude among ``x``'s finite values (0 if none)."""
+    x = np.abs(np.asarray(x, np.float64))
+    x = x[np.isfinite(x)]
+    return float(np.max(x)) if x.size else 0.0
 
 
 def dtype_rtol(tree) -> float:

@@ -55,6 +55,7 @@ CONSTRUCTS: dict[str, Construct] = {
         _C("cast_round_trip", "accept", FULL, 0.08, decisions.cast_round_trip),
         _C("reduction_kink", "accept", FULL, 0.06, decisions.reduction_kink),
         _C("clamp_kink", "accept", FULL, 0.08, decisions.clamp_kink),
+        _C("nan_guard", "accept", FULL, 0.0, decisions.nan_guard),
         _C(
             "revnet_scan_unused_ys",
             "accept",
@@ -100,6 +101,7 @@ FEATURE_WEIGHTS = {
     "cast_round_trip": 0.1,
     "reduction_kink": 0.1,
     "clamp_kink": 0.1,
+    "nan_guard": 0.1,
     "revnet_scan_unused_ys": 0.03,
     "lax_scan_unused_ys": 0.03,
     "nested_revnet_scan": 0.03,
@@ -121,6 +123,7 @@ TIED = frozenset(
         "cast_round_trip",
         "reduction_kink",
         "clamp_kink",
+        "nan_guard",
     ]
 )
 MIN_FEATURED = 5  # round-robin over the enabled constructs first, this many each

@@ -259,3 +259,31 @@ def clamp_kink(g, x, y):
     name = g.pick(list(variants))
     t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
     return name, [f"{x} = {x} + {variants[name]} * {t} * {g.c()}"]
+
+
+def nan_guard(g, x, y):
+    """A NaN or Inf guard of ``y``: of a value non-finite only at a tie
+    (``y / where(y == 0, 0, y)``, ``1 / y``), which decides, or over a region
+    the guarded value approaches continuously (``sqrt(y**3)``), which does
+    not."""
+    n = g.n
+    t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
+    variants = {
+        "isnan_0_over_0": [
+            f"u{n} = {y} / jnp.where({y} == 0, 0.0, {y})",
+            f"v{n} = jnp.where(jnp.isnan(u{n}), 0.0, u{n})",
+        ],
+        "isfinite_1_over_y": [
+            f"u{n} = 1.0 / {y}",
+            f"v{n} = jnp.where(jnp.isfinite(u{n}), jnp.tanh(u{n}), 0.0)",
+        ],
+        "nan_to_num_region": [
+            f"u{n} = jnp.sqrt({y} ** 3)",
+            f"v{n} = jnp.where(jnp.isnan(u{n}), 0.0, u{n})",
+        ],
+    }
+    name = g.pick(list(variants))
+    # ``y`` is then updated from ``x``: the backward pass rebuilds it by a
+    # subtraction, with rounding, so a tie it held is missed there.
+    back = f"{y} = {y} + jnp.tanh({x} @ {g.w((g.d, g.d))}) * {g.c()}"
+    return name, [*variants[name], f"{x} = {x} + v{n} * {t} * {g.c()}", back]
