@@ -128,6 +128,7 @@ DECISION_WEIGHTS = {
     "cast_round_trip": 0.08,
     "reduction_kink": 0.06,
     "clamp_kink": 0.08,
+    "nan_guard": 0.08,
     "nested_decision": 0.01,  # these compile per program (COSTLY)
     "bucketing": 0.005,
 }
@@ -172,6 +173,7 @@ RECOMPUTED = {
     "cast_round_trip": "decisions",
     "reduction_kink": "kinks",
     "clamp_kink": "kinks",
+    "nan_guard": "decisions",
 }
 RECOMPUTED_PROGRAMS = 8
 

@@ -262,28 +262,31 @@ def clamp_kink(g, x, y):
 
 
 def nan_guard(g, x, y):
-    """A NaN or Inf guard of ``y``: of a value non-finite only at a tie
-    (``y / where(y == 0, 0, y)``, ``1 / y``), which decides, or over a region
-    the guarded value approaches continuously (``sqrt(y**3)``), which does
-    not."""
+    """A NaN guard of a value of ``y`` that is NaN only at a tie (``0/0``
+    where ``y == 0``, a constant elsewhere): a decision, which must be stored.
+
+    Guards over a region (``sqrt(y**3)``, NaN for every negative ``y``) and
+    of a singular value (``1/y``) are left out: at their edge a rebuilt value
+    on the other side differentiates the unselected branch, NaN or infinite,
+    which plain JAX does too for a value inside the region (the documented
+    "double where" pitfall), not a fault of the inversion.
+    """
     n = g.n
     t = f"jnp.tanh({y} @ {g.w((g.d, g.d))})"
     variants = {
-        "isnan_0_over_0": [
-            f"u{n} = {y} / jnp.where({y} == 0, 0.0, {y})",
-            f"v{n} = jnp.where(jnp.isnan(u{n}), 0.0, u{n})",
-        ],
-        "isfinite_1_over_y": [
-            f"u{n} = 1.0 / {y}",
-            f"v{n} = jnp.where(jnp.isfinite(u{n}), jnp.tanh(u{n}), 0.0)",
-        ],
-        "nan_to_num_region": [
-            f"u{n} = jnp.sqrt({y} ** 3)",
-            f"v{n} = jnp.where(jnp.isnan(u{n}), 0.0, u{n})",
-        ],
+        "isnan_0_over_0": [f"u{n} = {y} / jnp.where({y} == 0, 0.0, {y})"],
+        "isnan_2y_over_y": [f"u{n} = (2.0 * {y}) / jnp.where({y} == 0, 0.0, {y})"],
+    }
+    variants = {
+        k: [*v, f"v{n} = jnp.where(jnp.isnan(u{n}), 0.0, u{n})"]
+        for k, v in variants.items()
     }
     name = g.pick(list(variants))
-    # ``y`` is then updated from ``x``: the backward pass rebuilds it by a
-    # subtraction, with rounding, so a tie it held is missed there.
-    back = f"{y} = {y} + jnp.tanh({x} @ {g.w((g.d, g.d))}) * {g.c()}"
-    return name, [*variants[name], f"{x} = {x} + v{n} * {t} * {g.c()}", back]
+    # ``y`` is then updated from ``x``, and ``x`` from ``y``: the backward
+    # pass rebuilds ``x`` with rounding, then ``y`` by subtracting a term of
+    # it, so ``y``'s exact zeros come back off zero (0 + s - s alone is 0).
+    back = [
+        f"{y} = {y} + jnp.tanh({x} @ {g.w((g.d, g.d))}) * {g.c()}",
+        f"{x} = {x} + jnp.sin({y} @ {g.w((g.d, g.d))}) * {g.c()}",
+    ]
+    return name, [*variants[name], f"{x} = {x} + v{n} * {t} * {g.c()}", *back]
