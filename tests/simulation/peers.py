@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -120,10 +121,30 @@ def check_all(
     outcomes by configuration."""
     want, tol = reference(loss, params, nudge)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(want))
-    return {
-        tuple(sorted(o.items())): outcome(loss, params, o, want, tol)
-        for o in [*configurations(anchor), *extra]
-    }
+    # Configurations that make the same program (``decisions`` where the step
+    # decides nothing, anchors under ``mode="checkpoint"``) have one outcome:
+    # each distinct program is compiled and run once.
+    outcomes, by_program = {}, {}
+    for o in [*configurations(anchor), *extra]:
+        key = program(loss, params, o)
+        if key not in by_program:
+            by_program[key] = outcome(loss, params, o, want, tol)
+        outcomes[tuple(sorted(o.items()))] = by_program[key]
+    return outcomes
+
+
+def program(loss: Callable, params: Any, options: dict) -> str:
+    """The gradient program of ``revnet.scan(**options)``, as text: its
+    forward and backward passes (the custom VJP's backward is traced into
+    it), with Python objects' addresses left out."""
+    scan = functools.partial(revnet.scan, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            text = str(jax.make_jaxpr(jax.grad(functools.partial(loss, scan)))(params))
+        except revnet.NotInvertibleError as e:
+            text = f"refused: {e}"
+    return re.sub(r" at 0x[0-9a-f]+", "", text)
 
 
 def nudged(x: jax.Array) -> jax.Array:
