@@ -2,8 +2,9 @@
 
 Each program is a chain of 1 to 6 random layers on a float64 stream of shape
 ``(2, 4)``, with random known weights: elementwise bijections in stable and
-naive forms, factors and matrices, couplings (additive and affine), layout ops,
-``cumsum``, ``jnp.where`` with two bijections, a ``scan`` over layers (one
+naive forms, ``softplus`` and ``logaddexp`` with a known operand, logit in its
+three forms, factors and matrices, couplings (additive and affine), layout ops
+(``roll``, a permutation by index), ``cumsum``, ``jnp.where`` with two bijections, a ``scan`` over layers (one
 with a leaky ReLU in its body: a decision stored per step), a ``checkpoint``
 and a ``jit``. Half the programs ask for one log-determinant per
 example (``batch_ndim=1``) and are compared with one ``slogdet(jacfwd)`` per
@@ -60,6 +61,14 @@ _checkpointed = jax.checkpoint(_affine)
 _jitted = jax.jit(lambda h: jnp.sinh(h) * 2.0)
 
 
+PERMUTATION = np.array([2, 0, 3, 1])
+
+
+def _squashed(h):
+    """``h`` mapped into (0.05, 0.95), as logit preprocessing expects."""
+    return 0.05 + 0.9 * jax.nn.sigmoid(h)
+
+
 def _select(h):
     return jnp.where(h > 0.1, jnp.exp(h) - 1.0, 2.0 * h + (np.exp(0.1) - 1.2))
 
@@ -87,6 +96,13 @@ LAYERS = {
         h.shape
     ),
     "cumsum": lambda w, h: jnp.cumsum(h, -1),
+    "roll": lambda w, h: jnp.roll(h, 1, -1),
+    "permute": lambda w, h: h[:, PERMUTATION],
+    "softplus_nn": lambda w, h: jax.nn.softplus(h),
+    "logaddexp": lambda w, h: jnp.logaddexp(h, w[3]),
+    "logit": lambda w, h: jax.scipy.special.logit(_squashed(h)),
+    "logit_logs": lambda w, h: jnp.log(_squashed(h)) - jnp.log1p(-_squashed(h)),
+    "logit_ratio": lambda w, h: jnp.log(_squashed(h) / (1 - _squashed(h))),
     "where": lambda w, h: _select(h),
     "leaky": lambda w, h: jax.nn.leaky_relu(h, 0.3),
     "scan": lambda w, h: lax.scan(_scan_step, h, jnp.stack([w, -w]))[0],
