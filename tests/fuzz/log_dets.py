@@ -6,11 +6,12 @@ naive forms, ``softplus`` and ``logaddexp`` with a known operand, logit in its
 three forms, factors and matrices, couplings (additive and affine), layout ops
 (``roll``, a permutation by index), ``cumsum``, ``jnp.where`` with two
 bijections, a ``scan`` over layers (one with a leaky ReLU in its body: a
-decision stored per step), a ``checkpoint`` and a ``jit``. Half the programs ask for one log-determinant per
-example (``batch_ndim=1``) and are compared with one ``slogdet(jacfwd)`` per
-example. revnet's side runs eagerly; the reference is each layer's
-``slogdet(jacfwd)`` at its input, summed (a chain's Jacobian is the product of
-its layers'), compiled once per layer: no compilation per program.
+decision stored per step), a ``checkpoint`` and a ``jit``. Half the programs
+ask for one log-determinant per example (``batch_ndim=1``) and are compared
+with one ``slogdet(jacfwd)`` per example. revnet's side runs eagerly; the
+reference is each layer's ``slogdet(jacfwd)`` at its input, summed (a chain's
+Jacobian is the product of its layers'), compiled once per layer: no
+compilation per program.
 """
 
 from __future__ import annotations
