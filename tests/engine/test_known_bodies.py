@@ -9,21 +9,16 @@ against ``jax.grad`` in float32 and float64, and the log-determinant against
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import revnet
-from tests.helpers import assert_trees_close, per_example_slogdet, tolerance
+from tests.engine import flow_checks
 
 FORMS = {
     "jax.nn.softplus": lambda w, u: jax.nn.softplus(u) * w,
     "jnp.logaddexp(u, 2)": lambda w, u: jnp.logaddexp(u, 2.0) * w,
     "jnp.logaddexp(w, u)": lambda w, u: jnp.logaddexp(w, u),
     "jax.nn.log_sigmoid": lambda w, u: jax.nn.log_sigmoid(u) * w,
-}
-LOG_DET = {
-    "rtol": tolerance("float64", "log_det"),
-    "atol": tolerance("float64", "log_det_floor"),
 }
 
 
@@ -40,35 +35,11 @@ def _args(dtype):
     return w, u
 
 
-@pytest.mark.parametrize("name", list(FORMS))
-def test_the_known_operand_gives_the_other(name):
-    f = FORMS[name]
-    w, u = _args(jnp.float64)
-    (back,) = revnet.inverse(f, w, u, known_argnums=(0,))(f(w, u))[1:]
-    assert_trees_close(back, u, tolerance("float64", "round_trip"), name)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("name", list(FORMS))
-def test_gradients_of_every_leaf_equal_autodiff(name, dtype):
-    f = FORMS[name]
-    w, u = _args(dtype)
-    inv = revnet.invertible(f, known_argnums=(0,))
-
-    def loss(g):
-        return lambda w, u: jnp.sum(jnp.sin(g(w, u)))
-
-    got = jax.grad(loss(inv), argnums=(0, 1))(w, u)
-    want = jax.grad(loss(f), argnums=(0, 1))(w, u)
-    assert_trees_close(got, want, tolerance(dtype), name)
-
-
-@pytest.mark.parametrize("name", list(FORMS))
-def test_log_det_equals_slogdet_of_the_jacobian(name):
-    f = FORMS[name]
-    w, u = _args(jnp.float64)
-    _, log_det = revnet.forward_and_log_det(f, w, u, known_argnums=(0,), batch_ndim=1)
-    np.testing.assert_allclose(log_det, per_example_slogdet(f, (w,), u), **LOG_DET)
+(
+    test_the_unknown_is_rebuilt,
+    test_gradients_of_every_leaf_equal_autodiff,
+    test_log_det_equals_slogdet_of_the_jacobian,
+) = flow_checks.form_tests(FORMS, _args)
 
 
 def test_a_softplus_coupling_in_a_scan():
@@ -85,16 +56,7 @@ def test_a_softplus_coupling_in_a_scan():
 
     ws = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (3, 2, 2), jnp.float64)
     x = jax.random.normal(jax.random.PRNGKey(3), (5, 4), jnp.float64)
-    _, log_det = revnet.forward_and_log_det(
-        flow, ws, x, known_argnums=(0,), batch_ndim=1
-    )
-    np.testing.assert_allclose(log_det, per_example_slogdet(flow, (ws,), x), **LOG_DET)
-    inv = revnet.invertible(flow, known_argnums=(0,))
-    for dtype in (jnp.float32, jnp.float64):
-        a = (ws.astype(dtype), x.astype(dtype))
-        got = jax.grad(lambda *a: jnp.sum(inv(*a) ** 2), argnums=(0, 1))(*a)
-        want = jax.grad(lambda *a: jnp.sum(flow(*a) ** 2), argnums=(0, 1))(*a)
-        assert_trees_close(got, want, tolerance(dtype), str(dtype))
+    flow_checks.assert_flow_in_a_scan(flow, ws, x)
 
 
 def test_a_function_named_logaddexp_with_another_body_is_not_recognised():
