@@ -21,6 +21,7 @@ from revnet._engine import (
     elimination,  # noqa: F401  (registers: the handler of linear elimination)
     fast_convolutions,  # noqa: F401  (registers: the convolution evaluator)
     known_args,
+    known_bodies,  # noqa: F401  (registers: library bodies solved in closed form)
     log_det,
     perturbed,
     ratios,  # noqa: F401  (registers: the handler of an unknown in a quotient)
@@ -83,7 +84,6 @@ from revnet._engine.registry import (
 )
 from revnet._engine.structural import (
     calls,  # noqa: F401  (registers: nested calls and custom rules)
-    known_bodies,  # noqa: F401  (registers: library bodies solved in closed form)
     scan,  # noqa: F401  (registers: lax.scan)
     select,  # noqa: F401  (registers: select_n with a known predicate)
     shard_map,  # noqa: F401  (registers: shard_map)

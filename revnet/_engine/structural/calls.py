@@ -29,7 +29,14 @@ import contextlib
 
 import jax
 
-from revnet._engine import analysis, exact, log_det, registry, runtime_checks
+from revnet._engine import (
+    analysis,
+    exact,
+    known_bodies,
+    log_det,
+    registry,
+    runtime_checks,
+)
 from revnet._engine import cotangents as ct
 from revnet._engine import jaxpr as jx
 from revnet._engine.errors import NotInvertibleError, Stuck, degenerate
@@ -41,7 +48,7 @@ from revnet._engine.interpreter import (
     vjp_eqn,
 )
 from revnet._engine.plan import Call, Custom
-from revnet._engine.structural import known_bodies, select
+from revnet._engine.structural import select
 
 
 class CallRule(registry.StructuralRule):
