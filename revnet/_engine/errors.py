@@ -320,7 +320,9 @@ def reverse_mode_only(name: str, run: Callable[..., Any], *args: Any) -> Any:
         raise TypeError(
             f"{name} is differentiable in reverse mode only (jax.grad, jax.vjp, "
             "jax.jacrev, and jax.hessian, which is forward-over-reverse); forward "
-            "mode (jax.jvp, jax.jacfwd, jax.linearize) was applied to it"
+            "mode (jax.jvp, jax.jacfwd, jax.linearize) was applied to it, or "
+            "forward over reverse reached a jax.custom_vjp function inside it (a "
+            "stored decision's, or one of your own, which plain JAX refuses too)"
         ) from None
 
 

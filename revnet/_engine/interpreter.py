@@ -140,9 +140,27 @@ def vjp_eqn(eqn: Any, ins: Sequence[Any], perturbed: Sequence[bool] | None = Non
 class Interpreter:
     """Runs a :class:`Plan` on ``jaxpr``; one instance per (nested) evaluation."""
 
-    def __init__(self, plan: Plan, jaxpr: Any, known_in_vals, out_vals, perturbed=None):
-        """``perturbed``: which inputs are differentiated (None: every float)."""
+    def __init__(
+        self,
+        plan: Plan,
+        jaxpr: Any,
+        known_in_vals,
+        out_vals,
+        perturbed=None,
+        *,
+        stored: int = 0,
+    ):
+        """``perturbed``: which inputs are differentiated (None: every float).
+
+        ``stored``: how many of ``jaxpr``'s last outputs are stored decisions
+        (:func:`revnet._engine.decisions.expose`). Their derivative is zero by
+        design, so no cotangent is sent to them: the equations that made them
+        (the deciding calls) are not differentiated.
+        """
         self.plan, self.jaxpr, self.wiring = plan, jaxpr, plan.wiring
+        outvars = self.wiring.outvars
+        self.stored = set(outvars[len(outvars) - stored :]) if stored else set()
+        self.stored.discard(None)
         self.active = None  # variable ids a perturbation reaches; None: all
         if perturbed is not None:
             reached = pb.active_vars(jaxpr, perturbed)
@@ -275,7 +293,7 @@ class Interpreter:
                     _, vjp = vjp_eqn(eqn, ins, self.perturbed(i))
                     in_cts = vjp(got) if vjp is not None else [None] * len(ins)
             for v, a, c in zip(w.eqn_ins[i], eqn.invars, in_cts):
-                if v is None or c is None or ct.is_float0(c):
+                if v is None or c is None or ct.is_float0(c) or v in self.stored:
                     continue
                 if ct.is_float_aval(jx.aval(a)):
                     cts[v] = ct.add(cts.get(v), c)

@@ -56,7 +56,14 @@ def vjp_function(
 
     def bwd(res, cts):
         consts, outs, given, flags = res
-        interp = Interpreter(plan, exposed.jaxpr, list(consts), list(outs), flags.value)
+        interp = Interpreter(
+            plan,
+            exposed.jaxpr,
+            list(consts),
+            list(outs),
+            flags.value,
+            stored=exposed.n,
+        )
         cts = cotangents.drop_float0(perturbed.drop_symbolic_zeros(list(cts)))
         cts = [*cts, *[None] * exposed.n]
         with runtime_checks.scope() as sc:

@@ -264,6 +264,32 @@ def test_forward_mode_is_refused_clearly():
     )
 
 
+@pytest.mark.skipif(
+    UNDER_CUSTOM_VJP3, reason="JAX_CUSTOM_VJP3 raises its own forward-mode error"
+)
+def test_forward_over_reverse_with_a_stored_decision_is_refused_in_one_line():
+    """A stored decision is replayed by a custom VJP, which forward over
+    reverse cannot differentiate: jax.hessian says so, in one line, rather
+    than claiming that forward mode was applied to the call alone."""
+
+    def coupling(jump):
+        return lambda a, b: (a + jump(b) * jnp.tanh(b), b)
+
+    def loss(f):
+        return lambda c: jnp.sum(f(c, 2.0 * c)[0] ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 3) + 0.1
+    # A stored rounded value is a constant of the backward pass: exact.
+    stored = revnet.invertible(coupling(jnp.round))
+    want = jax.hessian(loss(coupling(jnp.round)))(x)
+    assert_trees_close(jax.hessian(loss(stored))(x), want, tolerance("float32"))
+    # rem is replayed at its stored inputs, by a custom VJP.
+    at_point = revnet.invertible(coupling(lambda b: jnp.mod(b, 0.5)))
+    with pytest.raises(TypeError, match="forward over reverse reached") as e:
+        jax.hessian(loss(at_point))(x)
+    assert "\n" not in str(e.value)
+
+
 def test_rejects_non_array_arguments():
     with pytest.raises(TypeError, match="pytrees of arrays"):
         revnet.invertible(lambda x: x)("not an array")

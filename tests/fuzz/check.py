@@ -13,7 +13,7 @@ import numpy as np
 import revnet
 from tests.fuzz.compare import Redraw, Wrong, compare, compare_to_reference
 from tests.fuzz.evaluate import accepted_then, first_line, guard, value_and_grad
-from tests.fuzz.families import EAGER_EVERY, FAMILIES, HALF, PROBES
+from tests.fuzz.families import EAGER_EVERY, FAMILIES, FORWARD_EVERY, FULL, HALF, PROBES
 from tests.fuzz.programs import Program, build, materialise, tied
 from tests.fuzz.static import check_static
 from tests.helpers import tolerance
@@ -171,7 +171,66 @@ def _check(prog: Program, invertible) -> tuple[str, str]:
                 compare(tuple(back), (a, b), rtol, stage + "inverse")
         except Exception as e:  # noqa: BLE001
             return accepted_then(e, stage.rstrip(": ") or "check")
+    if prog.index % FORWARD_EVERY == 0 and prog.family in FULL:
+        try:
+            _check_forward_mode(
+                rev, f_plain, holder, holder_plain, ws, a, b, rtol, _custom_rules(prog)
+            )
+        except Exception as e:  # noqa: BLE001
+            return accepted_then(e, "forward mode")
+        finally:
+            holder["ws"] = holder_plain["ws"] = ws
     return "accepted", ""
+
+
+def _custom_rules(prog: Program) -> bool:
+    """Whether the program calls a function with a custom derivative rule."""
+    return any(
+        op.construct in ("custom_jvp", "custom_vjp") or "custom" in op.variant
+        for op in prog.ops
+    )
+
+
+def _check_forward_mode(rev, f_plain, holder, holder_plain, ws, a, b, rtol, custom):
+    """Forward mode through the reversible call: ``jax.jvp`` and
+    ``jax.linearize`` of it are refused in revnet's one line, and forward over
+    reverse (a Hessian-vector product, as ``jax.hessian`` computes) equals
+    plain JAX's.
+
+    Forward over reverse may be refused, in the same line, where the call
+    stores decisions. Not compared with ``custom`` rules: forward over
+    reverse differentiates the rebuilt values by the primal's own derivative,
+    which a custom rule (a straight-through estimator) need not be
+    (``docs/limits.md``)."""
+    for name, call in (
+        ("jvp", lambda: jax.jvp(rev, (a, b), (a, b))),
+        ("linearize", lambda: jax.linearize(rev, a, b)),
+    ):
+        try:
+            call()
+        except TypeError as e:
+            if "forward mode" not in str(e) or "must implement" in str(e):
+                raise Wrong(f"{name}: {type(e).__name__}: {first_line(e)}") from None
+            continue
+        raise Wrong(f"{name}: forward mode was not refused")
+    if custom:
+        return
+
+    def grads(fun, held):
+        return lambda *p: value_and_grad(fun, held, *p)[1]
+
+    r = np.random.default_rng(int(np.sum(np.abs(np.asarray(a))) * 1e3) % 2**32)
+    tangents = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(r.standard_normal(np.shape(x)), x.dtype), (ws, a, b)
+    )
+    try:
+        got = jax.jvp(grads(rev, holder), (ws, a, b), tangents)[1]
+    except TypeError as e:
+        if "forward mode" in str(e) and "must implement" not in str(e):
+            return  # refused in one line (a stored decision's own rule)
+        raise
+    want = jax.jvp(grads(f_plain, holder_plain), (ws, a, b), tangents)[1]
+    compare(got, want, rtol, "forward over reverse (weights, a, b)")
 
 
 def _check_half_reference(prog, f, holder, ws, a, b, outs, grads, want_outs, want):

@@ -15,6 +15,9 @@ ALL = FULL + HALF
 FAMILY_WEIGHTS = {"f32": 3.0, "f32x64": 1.0, "f64": 3.0, "f16": 1.0, "bf16": 1.0}
 # Every this-many-th program is also called eagerly, outside jax.grad.
 EAGER_EVERY = 4
+# Every this-many-th program in full precision also has forward mode checked:
+# refused through the call, and forward over reverse equal to plain JAX's.
+FORWARD_EVERY = 8
 # Random perturbations of the outputs tried by ill_conditioned.
 PROBES = 6
 # Largest |intermediate| of the plain forward pass for a program to be counted.

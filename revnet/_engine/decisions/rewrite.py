@@ -17,7 +17,7 @@ from revnet._engine import exact
 from revnet._engine import jaxpr as jx
 from revnet._engine.cotangents import is_float_aval
 from revnet._engine.decisions import continuity as cont
-from revnet._engine.decisions import guards, replays
+from revnet._engine.decisions import guards, recompute, replays
 from revnet._engine.decisions.nested import NestedCalls, body_tin
 from revnet._engine.decisions.record import DECISION_MARK, KINK_MARK, Kept, Result
 
@@ -46,6 +46,10 @@ class Pass:
         self.producer: dict = {}
         self.uses: dict = collections.defaultdict(list)
         self.graded: set = set()
+        # Rebuilt variables and the stored copies of their forward values
+        # (``_at_point``), and the rewritten equation making each variable.
+        self.copies: dict = {}
+        self.made: dict = {}
 
     def sub(self) -> Pass:
         """A pass with the same options, for a nested body."""
@@ -79,12 +83,17 @@ class Pass:
             tin = [self.tainted(a) for a in e.invars]
             if not any(tin):
                 new.append(e)
+                self._made([e])
+                for v in e.outvars:  # exact (``_flatten`` over-approximated)
+                    if not jx.is_dropvar(v) and not jx.is_ref(v):
+                        taint[v] = False
                 continue
             more, stored, why, outs, tout = self._eqn(e, e0, tin)
             for a in e.invars:  # a reference written with a rebuilt value
                 if jx.is_ref(a):
                     taint[a] = True
             new.extend(more)
+            self._made(more)
             extra.extend(stored)
             kept.extend(why)
             for ne in more:  # spliced variables are rebuilt unless stored
@@ -103,6 +112,12 @@ class Pass:
         fused = self.nested.fused(new)
         tout = [self.tainted(a) for a in outvars]
         return Result(new, fused, outvars, extra, kept, tout)
+
+    def _made(self, eqns: Sequence[Any]) -> None:
+        for e in eqns:
+            for v in e.outvars:
+                if not jx.is_dropvar(v):
+                    self.made[v] = e
 
     def tainted(self, a) -> bool:
         """Whether ``a`` is a rebuilt float: rebuilt integers and booleans are
@@ -290,9 +305,20 @@ class Pass:
         return True
 
     def _outputs(self, e, outs, reason: str = "decision"):
-        """``e`` kept, its results ``outs`` stored."""
+        """``e`` kept, its results ``outs`` stored (or made again from stored
+        copies of its inputs, :meth:`_exact`)."""
         same = list(e.outvars)
+        exact = self._exact(e.invars, e.source_info)
+        if exact is not None:
+            eqns, ins = exact
+            return [*eqns, e.replace(invars=ins)], [], [], same, [False] * len(same)
         return [e], outs, self._why(e, reason, len(outs)), same, [False] * len(same)
+
+    def _exact(self, atoms: Sequence[Any], source_info: Any):
+        """:func:`.recompute.forward_values` of ``atoms`` in this pass."""
+        return recompute.forward_values(
+            atoms, self.tainted, self.copies, self.made, source_info
+        )
 
     def _why(self, e, reason: str, n: int, within=()) -> list[Kept]:
         name, call = jx.primitive_name(e), jx.call_name(e)
@@ -330,14 +356,17 @@ class Pass:
         (``top_k``'s indices), or None.
         """
         ins = list(e.invars)
-        eqns, (d,) = jx.splice(decide, ins, e.source_info)
+        exact = self._exact(ins, e.source_info)
+        made, at = ([], ins) if exact is None else exact
+        eqns, (d,) = jx.splice(decide, at, e.source_info)
         more, outs = jx.splice(values, [*ins, d], e.source_info)
         outs = list(outs)
         if own is not None:
             outs.insert(own, d)
         rebuilt = [o is not d for o in outs]
         n = len(e.outvars)
-        return eqns + more, [d], self._why(e, reason, 1), outs[:n], rebuilt[:n]
+        stored, why = ([d], self._why(e, reason, 1)) if exact is None else ([], [])
+        return made + eqns + more, stored, why, outs[:n], rebuilt[:n]
 
     def _at_point(self, e, tin, reason):
         """``e`` evaluated at stored copies of its rebuilt float inputs."""
@@ -347,11 +376,17 @@ class Pass:
             if t and is_float_aval(jx.aval(a))
         ]
         decide, values = replays.at_point(e, pos)
-        copy_eqns, copies = jx.splice(decide, [e.invars[n] for n in pos], e.source_info)
+        rebuilt = [e.invars[n] for n in pos]
+        exact = self._exact(rebuilt, e.source_info)
+        if exact is None:
+            copy_eqns, copies = jx.splice(decide, rebuilt, e.source_info)
+            stored, why = list(copies), self._why(e, reason, len(copies))
+            self.copies.update(zip(rebuilt, copies))
+        else:
+            (copy_eqns, copies), stored, why = exact, [], []
         more, outs = jx.splice(values, [*e.invars, *copies], e.source_info)
-        rebuilt = [False] * len(e.outvars)  # the forward values, exactly
-        why = self._why(e, reason, len(copies))
-        return copy_eqns + more, list(copies), why, list(outs), rebuilt
+        forward = [False] * len(e.outvars)  # the forward values, exactly
+        return copy_eqns + more, stored, why, list(outs), forward
 
     # -- nested jaxprs -------------------------------------------------------- #
 
