@@ -23,6 +23,7 @@ from revnet._engine import (
     known_args,
     known_bodies,  # noqa: F401  (registers: library bodies solved in closed form)
     log_det,
+    masks,  # noqa: F401  (registers: the handler of a masked coupling)
     perturbed,
     ratios,  # noqa: F401  (registers: the handler of an unknown in a quotient)
     registry,

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from revnet._engine import elimination, fingerprint, ratios, registry
+from revnet._engine import elimination, fingerprint, masks, ratios, registry
 from revnet._engine import jaxpr as jx
 from revnet._engine.cache import LRU
 from revnet._engine.errors import (
@@ -179,9 +179,14 @@ class Analysis:
         self._propagate(range(len(self.jaxpr.eqns) - 1, -1, -1))
         while self._unknown():
             # Stuck: unknowns tied linearly across equations may still be
-            # solved together (:mod:`.elimination`), and an unknown read twice
-            # by a quotient from it (:mod:`.ratios`).
-            found = elimination.eliminate(self) or ratios.solve_ratio(self)
+            # solved together (:mod:`.elimination`), an unknown read twice
+            # by a quotient from it (:mod:`.ratios`), and through a mask
+            # (:mod:`.masks`).
+            found = (
+                elimination.eliminate(self)
+                or ratios.solve_ratio(self)
+                or masks.solve_masked(self, analyze)
+            )
             if found is None:
                 break
             step, produced = found

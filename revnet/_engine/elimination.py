@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -112,7 +113,7 @@ def _eliminate(an: Any) -> tuple[Eliminate, list[int]] | None:
         form, cone = got
         if form and all(a != outs[0] for a in form):
             rows.append((outs[0], form, cone))
-    if len(rows) < 2:
+    if not rows:
         return None
     atoms = sorted({a for _, f, _ in rows for a in f})
     if len(atoms) > MAX_SIZE or len(rows) > MAX_SIZE:
@@ -260,19 +261,27 @@ def known_part(
     return env[v]
 
 
-class _NoTerms(log_det.TermRule):
-    """Log-determinants through unknowns solved together are not derived."""
+class _Terms(log_det.TermRule):
+    """One value solved from one known value of the same shape, elementwise
+    (``y = c x + k`` with ``x`` read more than once): ``log|dy/dx|``.
+    Log-determinants through unknowns solved together are not derived."""
 
     def has_terms(self, step, eqn):
         return True
 
     def term(self, ev, step):
-        raise log_det.refusal(
-            ev.jaxpr.eqns[step.eqn],
-            "its unknowns are solved together with other equations' (linear "
-            "elimination), and revnet derives no log-determinant through that",
-        )
+        (given, cone, _), *more = step.rows
+        aval = ev.jaxpr.eqns[cone[-1]].outvars[0].aval if cone else None
+        if more or step.atoms != (step.var,) or tuple(aval.shape) != step.avals[0][0]:
+            raise log_det.refusal(
+                ev.jaxpr.eqns[step.eqn],
+                "its unknowns are solved together with other equations' (linear "
+                "elimination), and revnet derives no log-determinant through that",
+            )
+        shape, dtype = step.avals[0]
+        aval = jax.ShapeDtypeStruct(shape, dtype)
+        return log_det.elementwise_term(ev, step.var, given, cone, aval)
 
 
 register_handler(Eliminate, _EliminateHandler())
-log_det.register_term_rule(Eliminate, _NoTerms())
+log_det.register_term_rule(Eliminate, _Terms())

@@ -295,6 +295,31 @@ class Evaluation:
         return outs, self.zero if total is None else total
 
 
+def elementwise_term(
+    ev: Evaluation, var: int, given: int, cone: Sequence[int], aval: Any
+) -> Any:
+    """``log|d given / d var|``, reduced, for ``given`` computed from ``var``
+    position by position by the equations ``cone`` (in order), other values
+    read at the forward values; ``aval``: ``var``'s type."""
+    eqns = ev.jaxpr.eqns
+
+    def forward(u):
+        env = {var: u}
+        for i in cone:
+            ins = [
+                ev.read_in(i, n) if v is None or v not in env else env[v]
+                for n, v in enumerate(ev.wiring.eqn_ins[i])
+            ]
+            for v, o in zip(ev.wiring.eqn_outs[i], apply_eqn(eqns[i], ins)):
+                if v is not None:
+                    env[v] = o
+        return env[given]
+
+    u = ev.read(var)
+    _, slope = jax.jvp(forward, (u,), (jnp.ones_like(u),))
+    return ev.reduce(jnp.log(jnp.abs(slope)), aval, eqns[cone[-1]])
+
+
 def zero(args: Sequence[Any], shape: tuple, dtype: Any) -> Any:
     """The log-determinant's zero, of ``shape`` (the batch's, or ``()``).
 

@@ -256,25 +256,8 @@ class _RatioTerms(log_det.TermRule):
     """``log|d given / d var|``, elementwise, from the forward values."""
 
     def term(self, ev, step):
-        eqns = ev.jaxpr.eqns
-
-        def given(u):
-            env = {step.var: u}
-            for i in step.cone:
-                ins = [
-                    ev.read_in(i, n) if v is None or v not in env else env[v]
-                    for n, v in enumerate(ev.wiring.eqn_ins[i])
-                ]
-                for v, o in zip(ev.wiring.eqn_outs[i], apply_eqn(eqns[i], ins)):
-                    if v is not None:
-                        env[v] = o
-            return env[step.given]
-
-        u = ev.read(step.var)
-        _, slope = jax.jvp(given, (u,), (jnp.ones_like(u),))
-        eqn = eqns[step.eqn]
         aval = jax.ShapeDtypeStruct(*step.aval)
-        return ev.reduce(jnp.log(jnp.abs(slope)), aval, eqn)
+        return log_det.elementwise_term(ev, step.var, step.given, step.cone, aval)
 
 
 register_handler(Ratio, _RatioHandler())

@@ -4,7 +4,8 @@ Each program is a chain of 1 to 6 random layers on a float64 stream of shape
 ``(2, 4)``, with random known weights: elementwise bijections in stable and
 naive forms, ``softplus`` and ``logaddexp`` with a known operand, logit in its
 three forms, factors and matrices, couplings (additive and affine), layout ops
-(``roll``, a permutation by index), ``cumsum``, ``jnp.where`` with two
+(``roll``, a permutation by index), RealNVP with a binary mask (both
+forms), ``cumsum``, ``jnp.where`` with two
 bijections, a ``scan`` over layers (one with a leaky ReLU in its body: a
 decision stored per step), a ``checkpoint`` and a ``jit``. Half the programs
 ask for one log-determinant per example (``batch_ndim=1``) and are compared
@@ -70,6 +71,23 @@ def _squashed(h):
     return 0.05 + 0.9 * jax.nn.sigmoid(h)
 
 
+MASK = np.array([1.0, 0.0, 0.0, 1.0])
+
+
+def _masked(w, h, where):
+    """RealNVP with a binary mask: ``h * m + (1 - m) * (...)``, or with
+    ``jnp.where`` on the mask as a boolean."""
+    if where:
+        m = MASK > 0
+        hm = jnp.where(m, h, 0.0)
+    else:
+        hm = h * MASK
+    s = jnp.tanh(hm @ w)
+    if where:
+        return jnp.where(m, h, h * jnp.exp(s) + jnp.sin(hm @ w.T))
+    return h * MASK + (1 - MASK) * (h * jnp.exp(s) + jnp.sin(hm @ w.T))
+
+
 def _select(h):
     return jnp.where(h > 0.1, jnp.exp(h) - 1.0, 2.0 * h + (np.exp(0.1) - 1.2))
 
@@ -105,6 +123,8 @@ LAYERS = {
     "logit_logs": lambda w, h: jnp.log(_squashed(h)) - jnp.log1p(-_squashed(h)),
     "logit_ratio": lambda w, h: jnp.log(_squashed(h) / (1 - _squashed(h))),
     "where": lambda w, h: _select(h),
+    "masked": lambda w, h: _masked(w, h, False),
+    "masked_where": lambda w, h: _masked(w, h, True),
     "leaky": lambda w, h: jax.nn.leaky_relu(h, 0.3),
     "scan": lambda w, h: lax.scan(_scan_step, h, jnp.stack([w, -w]))[0],
     "scan_leaky": lambda w, h: lax.scan(_leaky_scan_step, h, jnp.stack([w, -w]))[0],

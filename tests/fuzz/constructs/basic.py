@@ -126,6 +126,24 @@ def zero_literal(g, x, y):
     return variant, [f"{x} = {x} * 0.0 + jnp.tanh({y} @ {w})"]
 
 
+def batch_stats(g, x, y):
+    """A stateful block's training-mode step inside F: ``y`` normalised by
+    its batch statistics (BatchNorm), then a coupling update of ``x``."""
+    eps = g.pick(["1e-3", "1e-5"])
+    normed = f"({y} - jnp.mean({y}, 0)) / jnp.sqrt(jnp.var({y}, 0) + {eps})"
+    return "in_f", [f"{x} = {x} + jnp.tanh({normed} @ {g.w((g.d, g.d))}) * {g.c()}"]
+
+
+def batch_norm_stream(g, x, y):
+    """BatchNorm in training mode on the stream itself: its batch statistics
+    are lost, so it is refused."""
+    eps = g.pick(["1e-3", "1e-5"])
+    scale = f"jnp.sqrt(jnp.var({x}, 0) + {eps})"
+    if g.rng.uniform() < 0.5:
+        return "normalise", [f"{x} = ({x} - jnp.mean({x}, 0)) / {scale}"]
+    return "centre", [f"{x} = {x} - jnp.mean({x}, 0, keepdims=True)"]
+
+
 def narrowing_cast(g, x, y):
     src = g.dtypes[x]  # the family's dtype: refused programs never widen
     narrower = [jnp.float16, jnp.bfloat16]
