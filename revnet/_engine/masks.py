@@ -91,14 +91,17 @@ def solve_masked(an: Any, analyze: Any) -> tuple[Masked, list[int]] | None:
         if all(an.ins_known(i)) or not is_inexact(an.avals[y]):
             continue
         for loose, mask in itertools.product((False, True), _masks(an)):
-            proof: set[int] = set()
-            zeros: set[int] = set()
-            got = _restrict(an, y, mask, proof, zeros, loose)
-            if not isinstance(got, int) or got == y:
+            pr = _Proof()
+            if not isinstance(_restrict(an, y, mask, pr, loose), int):
                 continue
-            step = _step(an, analyze, y, got, mask, proof, zeros)
-            if step is not None:
-                return step, list(step.produced)
+            # The unknowns equal to y where the mask holds, nearest first (a
+            # second coupling on the same mask passes the first's input on).
+            for u in reversed(pr.same):
+                if u == y or an.is_known(u):
+                    continue
+                step = _step(an, analyze, y, u, mask, pr.eqns, pr.zeros)
+                if step is not None:
+                    return step, list(step.produced)
     return None
 
 
@@ -197,6 +200,17 @@ def _variables(jaxpr: Any, w: Any) -> dict:
 # -- the proof --------------------------------------------------------------- #
 
 
+@dataclasses.dataclass
+class _Proof:
+    """What a proof used: its equations, the known values it assumes zero
+    where the mask holds, and the values it found equal to an unknown there
+    (innermost first)."""
+
+    eqns: set = dataclasses.field(default_factory=set)
+    zeros: set = dataclasses.field(default_factory=set)
+    same: list = dataclasses.field(default_factory=list)
+
+
 def _masks(an: Any) -> list[int]:
     """The known values that mask an unknown one: a known operand of a ``mul``
     with an unknown one, or the known predicate of a ``select_n``."""
@@ -274,14 +288,21 @@ def _complement(an: Any, v: int | None, mask: int, zeros: set | None) -> bool:
     return True
 
 
-def _restrict(an, v, mask, proof, zeros, loose=False) -> int | str | None:
+def _restrict(an, v, mask, pr: _Proof, loose=False) -> int | str | None:
     """``v`` where the mask holds: an unknown value, :data:`_ZERO`, or None
-    (not shown); the equations used join ``proof``.
+    (not shown), recorded in ``pr``.
 
     With ``loose``, a term of a sum beside one equal to an unknown may be
     zero by a known factor that is not the mask's complement on the
     program's face: it joins ``zeros``, checked at run time.
     """
+    got = _restricted(an, v, mask, pr, loose)
+    if isinstance(got, int):
+        pr.same.append(v)
+    return got
+
+
+def _restricted(an, v, mask, pr: _Proof, loose) -> int | str | None:
     if v is None:
         return None
     i = an.eqn_of.get(v)
@@ -293,26 +314,26 @@ def _restrict(an, v, mask, proof, zeros, loose=False) -> int | str | None:
     if name == "mul" and len(ins) == 2:
         for a, b in (ins, ins[::-1]):
             if _is(an, a, mask):
-                got = _restrict(an, b, mask, proof, zeros, loose)
+                got = _restrict(an, b, mask, pr, loose)
             elif _complement(an, a, mask, None):
                 got = _ZERO
             if got is not None:
                 break
     elif name == "add" and len(ins) == 2:
-        got = _sum(an, ins, mask, proof, zeros, loose)
+        got = _sum(an, ins, mask, pr, loose)
     elif name == "select_n" and len(ins) == 3 and _is(an, ins[0], mask):
-        got = _restrict(an, ins[2], mask, proof, zeros, loose)
+        got = _restrict(an, ins[2], mask, pr, loose)
     elif name == "select_n" and len(ins) == 3 and _complement(an, ins[0], mask, None):
-        got = _restrict(an, ins[1], mask, proof, zeros, loose)
+        got = _restrict(an, ins[1], mask, pr, loose)
     if got is not None:
-        proof.add(i)
+        pr.eqns.add(i)
         return got
     return None if an.is_known(v) else v
 
 
-def _sum(an, ins, mask, proof, zeros, loose) -> int | str | None:
+def _sum(an, ins, mask, pr: _Proof, loose) -> int | str | None:
     """``a + b`` where the mask holds."""
-    terms = [_restrict(an, x, mask, proof, zeros, loose) for x in ins]
+    terms = [_restrict(an, x, mask, pr, loose) for x in ins]
     if _ZERO in terms:
         return terms[1 - terms.index(_ZERO)]
     if not loose:
@@ -325,8 +346,8 @@ def _sum(an, ins, mask, proof, zeros, loose) -> int | str | None:
         if jx.primitive_name(an.jaxpr.eqns[j]) != "mul":
             continue
         factors = an.wiring.eqn_ins[j]
-        if any(_complement(an, f, mask, zeros) for f in factors):
-            proof.add(j)
+        if any(_complement(an, f, mask, pr.zeros) for f in factors):
+            pr.eqns.add(j)
             return terms[n]
     return None
 

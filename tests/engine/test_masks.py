@@ -59,10 +59,24 @@ def mask_argument(w, x):
     return x * m + (1 - m) * (x * jnp.exp(s) + t)
 
 
+def within_a_flow(w, x):
+    """A scale before and a leaky ReLU after: the leaky ReLU's select chains
+    run on through the coupling's select, and its log-det term stops at the
+    value it rebuilds."""
+    return jax.nn.leaky_relu(where_form(w, x * 1.7), 0.3)
+
+
+def same_mask_twice(w, x):
+    """Two couplings on one mask: the second's masked input is the first's."""
+    return mul_form(w, mul_form(w, x))
+
+
 FORMS = {
     "mul": mul_form,
     "where": where_form,
     "where_argument": where_argument,
+    "within_a_flow": within_a_flow,
+    "same_mask_twice": same_mask_twice,
     "mask_argument": mask_argument,
 }
 

@@ -365,7 +365,7 @@ class _SelectTerms(log_det.TermRule):
         eqns = ev.jaxpr.eqns
         pred = ev.read_in(step.eqn, 0)
         total = None
-        for pos, chain in step.branches:
+        for pos, chain in _to_common(ev, step):
             where = pred == pos - 1
             leaf = None
             for j, name, u in chain:
@@ -389,6 +389,23 @@ class _SelectTerms(log_det.TermRule):
             return None
         eqn = eqns[step.eqn]
         return ev.reduce(total, jx.aval(eqn.outvars[0]), eqn)
+
+
+def _to_common(ev, step) -> list:
+    """The branches cut after the last value the step rebuilds: a chain
+    forking further (a nested select towards values the step does not
+    rebuild) adds no terms beyond it, and the branches that are then the
+    same are counted once."""
+    common, out = set(step.vars), []
+    for pos, chain in step.branches:
+        last = 0
+        for n, (j, _, u) in enumerate(chain):
+            if ev.wiring.eqn_ins[j][u] in common:
+                last = n + 1
+        branch = (pos, tuple(chain[:last]))
+        if branch not in out:
+            out.append(branch)
+    return out
 
 
 registry.register_structural(["select_n"], SelectRule())
