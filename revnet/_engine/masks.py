@@ -81,6 +81,13 @@ def solve_masked(an: Any, analyze: Any) -> tuple[Masked, list[int]] | None:
     """A step solving an unknown of the stuck analysis ``an`` through a mask,
     and the values it produces; None when there is none.
     ``analyze(jaxpr, known_in, known_out)`` plans the cone's program."""
+    try:
+        return _solve_masked(an, analyze)
+    except RecursionError:  # a sum deeper than Python's stack: not solved
+        return None
+
+
+def _solve_masked(an: Any, analyze: Any) -> tuple[Masked, list[int]] | None:
     for i in range(len(an.jaxpr.eqns)):
         outs = an.wiring.eqn_outs[i]
         if an.done[i] or len(outs) != 1 or not an.is_known(outs[0]):

@@ -75,6 +75,13 @@ def solve_ratio(an: Any) -> tuple[Ratio, list[int]] | None:
     """A step solving one unknown of the stuck analysis ``an`` from a known
     quotient of two affine forms of it, and the variable it produces; None
     when there is none."""
+    try:
+        return _solve_ratio(an)
+    except RecursionError:  # a chain deeper than Python's stack: not solved
+        return None
+
+
+def _solve_ratio(an: Any) -> tuple[Ratio, list[int]] | None:
     floats = [a for a in an.avals if is_inexact(a)]
     if not floats:
         return None

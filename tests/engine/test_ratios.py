@@ -103,3 +103,17 @@ def test_the_step_reads_the_quotient_once():
     steps = analyze(jaxpr, (True, False), (True,)).steps
     assert sum(isinstance(s, ratios.Ratio) for s in steps) == 1, steps
     assert any(e.primitive.name == "div" for e in equations(f, w, u))
+
+
+def test_a_sum_deeper_than_the_stack_is_refused_not_a_crash():
+    """4,000 terms of one unknown: the searches for a quotient and a mask
+    give up past Python's stack, and the refusal is the usual line."""
+
+    def f(x):
+        acc = x * jnp.array([1.0, 0.0, 1.0, 0.0])
+        for _ in range(4000):
+            acc = acc + x * 1e-4
+        return acc
+
+    with pytest.raises(revnet.NotInvertibleError, match="cannot solve `add`"):
+        revnet.inverse(f, jnp.ones(4))
