@@ -251,7 +251,10 @@ def reduction_kink(g, x, y):
 def clamp_kink(g, x, y):
     """A clamp of ``y`` whose bounds are ties (``relu6``, ``hard_tanh`` too)."""
     variants = {
-        "clamp": f"jax.lax.clamp(-0.5, {y}, 1.0)",
+        # lax.clamp wants its bounds in the operand's dtype (a float16 stream
+        # after a narrowing cast, with float32 literals, is a TypeError).
+        "clamp": f"jax.lax.clamp(jnp.asarray(-0.5, {y}.dtype), {y}, "
+        f"jnp.asarray(1.0, {y}.dtype))",
         "clip": f"jnp.clip({y}, -1.0, 0.5)",
         "relu6": f"jax.nn.relu6({y} * 4.0 + 2.0)",
         "hard_tanh": f"jax.nn.hard_tanh({y})",
