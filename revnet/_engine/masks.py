@@ -263,10 +263,6 @@ def _poison(read, step: Masked, dtype) -> Any:
     return jnp.where(ok, 0.0, jnp.nan).astype(dtype)
 
 
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
 _NOT_BINARY = (
     "a masked coupling's mask holds values other than 0 and 1, or its "
     "complement is not zero where the mask is one: the masked input is not "
