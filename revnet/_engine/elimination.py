@@ -34,7 +34,7 @@ import numpy as np
 
 from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, runtime_checks
-from revnet._engine.interpreter import Handler, apply_eqn, register_handler
+from revnet._engine.interpreter import Handler, register_handler, run_cone
 from revnet._engine.linear_forms import (
     ONE,
     Forms,
@@ -247,18 +247,7 @@ def known_part(
     """The value of ``v`` computed by ``cone`` with the ``atoms`` (of
     ``(shape, dtype)`` ``avals``) set to zero: an affine form's known part."""
     env = {a: jnp.zeros(shape, dtype) for a, (shape, dtype) in zip(atoms, avals)}
-    for i in cone:
-        eqn = it.jaxpr.eqns[i]
-        ins = [
-            jx.literal_value(eqn.invars[n])
-            if u is None
-            else (env[u] if u in env else it.read(u))
-            for n, u in enumerate(it.wiring.eqn_ins[i])
-        ]
-        for u, o in zip(it.wiring.eqn_outs[i], apply_eqn(eqn, ins)):
-            if u is not None:
-                env[u] = o
-    return env[v]
+    return run_cone(it.jaxpr, it.wiring, cone, env, it.read_in)[v]
 
 
 class _Terms(log_det.TermRule):
@@ -271,7 +260,7 @@ class _Terms(log_det.TermRule):
 
     def term(self, ev, step):
         (given, cone, _), *more = step.rows
-        aval = ev.jaxpr.eqns[cone[-1]].outvars[0].aval if cone else None
+        aval = jx.aval(ev.jaxpr.eqns[cone[-1]].outvars[0]) if cone else None
         if more or step.atoms != (step.var,) or tuple(aval.shape) != step.avals[0][0]:
             raise log_det.refusal(
                 ev.jaxpr.eqns[step.eqn],

@@ -16,7 +16,7 @@ plan serves every trace of the same structure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -77,6 +77,38 @@ def apply_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
         return fn(jx.bind_params(eqn), list(ins))
 
 
+def run_cone(
+    jaxpr: Any,
+    wiring: Any,
+    cone: Iterable[int],
+    env: dict,
+    outside: Callable[[int, int], Any],
+) -> dict:
+    """Evaluates the equations ``cone`` of ``jaxpr`` in order, by
+    :func:`apply_eqn`, into ``env`` (the wiring's ids to values).
+
+    Args:
+      jaxpr: the program whose equations are indexed by ``cone``.
+      wiring: its ids (``eqn_ins``, ``eqn_outs``).
+      cone: the equations to evaluate, in order.
+      env: the values set so far (the cone's own inputs); updated.
+      outside: ``(i, n) -> value`` of input ``n`` of equation ``i`` when it is
+        not in ``env`` (literals included).
+
+    Returns:
+      ``env``, with the cone's outputs.
+    """
+    for i in cone:
+        ins = [
+            env[v] if v is not None and v in env else outside(i, n)
+            for n, v in enumerate(wiring.eqn_ins[i])
+        ]
+        for v, o in zip(wiring.eqn_outs[i], apply_eqn(jaxpr.eqns[i], ins)):
+            if v is not None:
+                env[v] = o
+    return env
+
+
 def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     """Evaluates an open ``jaxpr`` on ``args``, every equation by :func:`apply_eqn`.
 
@@ -84,16 +116,21 @@ def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     registry (convolutions on CPU) run through it, as in the interpreter.
     """
     env = dict(zip(jaxpr.invars, args))
+    return evaluate_eqns(jaxpr.eqns, env, jaxpr.outvars)
+
+
+def evaluate_eqns(eqns: Sequence[Any], env: dict, outs: Sequence[Any]) -> list[Any]:
+    """Evaluates ``eqns`` in order from ``env`` (their free variables to
+    values), and returns the values of the atoms ``outs``."""
 
     def read(v):
         return jx.literal_value(v) if jx.is_literal(v) else env[v]
 
-    for e in jaxpr.eqns:
-        outs = apply_eqn(e, [read(v) for v in e.invars])
-        for v, o in zip(e.outvars, outs):
+    for e in eqns:
+        for v, o in zip(e.outvars, apply_eqn(e, [read(v) for v in e.invars])):
             if not jx.is_dropvar(v):
                 env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    return [read(v) for v in outs]
 
 
 def vjp_eqn(eqn: Any, ins: Sequence[Any], perturbed: Sequence[bool] | None = None):

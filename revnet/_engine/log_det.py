@@ -40,7 +40,7 @@ from revnet._engine import jaxpr as jx
 from revnet._engine import registry, sharded_types
 from revnet._engine.batching.axes import LEADING, UNBATCHED, Tracker
 from revnet._engine.errors import NotInvertibleError
-from revnet._engine.interpreter import apply_eqn, step_needs
+from revnet._engine.interpreter import apply_eqn, run_cone, step_needs
 from revnet._engine.plan import Forward, Plan, ScanAux, Solve, Tile
 
 
@@ -304,16 +304,7 @@ def elementwise_term(
     eqns = ev.jaxpr.eqns
 
     def forward(u):
-        env = {var: u}
-        for i in cone:
-            ins = [
-                ev.read_in(i, n) if v is None or v not in env else env[v]
-                for n, v in enumerate(ev.wiring.eqn_ins[i])
-            ]
-            for v, o in zip(ev.wiring.eqn_outs[i], apply_eqn(eqns[i], ins)):
-                if v is not None:
-                    env[v] = o
-        return env[given]
+        return run_cone(ev.jaxpr, ev.wiring, cone, {var: u}, ev.read_in)[given]
 
     u = ev.read(var)
     _, slope = jax.jvp(forward, (u,), (jnp.ones_like(u),))

@@ -39,7 +39,13 @@ import jax.numpy as jnp
 from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, mask_proof, runtime_checks
 from revnet._engine.errors import Stuck
-from revnet._engine.interpreter import Handler, apply_eqn, register_handler, run_plan
+from revnet._engine.interpreter import (
+    Handler,
+    apply_eqn,
+    register_handler,
+    run_cone,
+    run_plan,
+)
 from revnet._engine.linear_forms import is_inexact
 
 
@@ -238,13 +244,7 @@ class _MaskedHandler(Handler):
         # The cone forward from the rebuilt value: solving its values
         # backwards would divide by the mask's zeros.
         env = {step.var: u, **dict(zip(step.reads, reads))}
-        for i in step.cone:
-            eqn = it.jaxpr.eqns[i]
-            ins = [
-                jx.literal_value(a) if v is None else env[v]
-                for v, a in zip(w.eqn_ins[i], eqn.invars)
-            ]
-            env.update(zip(w.eqn_outs[i], apply_eqn(eqn, ins)))
+        env = run_cone(it.jaxpr, w, step.cone, env, it.read_in)
         produced = list(step.produced)
         it.set(produced, [env[v] for v in produced])
         return None

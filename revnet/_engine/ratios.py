@@ -34,7 +34,7 @@ import numpy as np
 from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, runtime_checks
 from revnet._engine.elimination import known_part, poly_value
-from revnet._engine.interpreter import Handler, apply_eqn, register_handler
+from revnet._engine.interpreter import Handler, register_handler, run_cone
 from revnet._engine.linear_forms import Forms, frozen, is_inexact
 
 # The equations whose output is the logarithm of their input's form: ``log1p``
@@ -187,21 +187,27 @@ def _constant(an: Any, atom: int, parts: Sequence[tuple]) -> bool:
     return bool(np.any(np.abs(a * d - b * c) <= 1e-6 * scale))
 
 
+class _NotStatic(Exception):
+    """An input of a cone is not a trace-time value."""
+
+
 def _static_known_part(an: Any, v: int, cone: Sequence[int], atom: int):
     """The known part of ``v`` (its value with ``atom`` zero) at trace time,
     or None when an input of ``cone`` is not a trace-time value."""
     aval = an.avals[atom]
+
+    def outside(i: int, n: int):
+        x = an.static_value(i, n)
+        if x is None:
+            raise _NotStatic
+        return x
+
     env = {atom: np.zeros(aval.shape, aval.dtype)}
-    for i in cone:
-        ins = []
-        for n, u in enumerate(an.wiring.eqn_ins[i]):
-            x = an.static_value(i, n) if u not in env else env[u]
-            if x is None:
-                return None
-            ins.append(x)
+    try:
         with jax.ensure_compile_time_eval():
-            outs = apply_eqn(an.jaxpr.eqns[i], ins)
-        env.update(zip(an.wiring.eqn_outs[i], outs))
+            env = run_cone(an.jaxpr, an.wiring, cone, env, outside)
+    except _NotStatic:
+        return None
     return np.asarray(env[v], np.float64)
 
 

@@ -10,15 +10,20 @@ decision on such values is made from them exactly, and need not be stored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from revnet._engine import jaxpr as jx
-from revnet._engine.interpreter import apply_eqn
+from revnet._engine.interpreter import evaluate_eqns
 
 # How many equations are evaluated again, at most, to make one decision from
 # stored copies instead of storing it too.
 LIMIT = 32
+
+# Operations per result element an equation evaluated again may cost: a few
+# elementwise operations (a rounding's, a remainder's), not a contraction.
+COST_PER_RESULT = 8
 
 
 def forward_values(
@@ -69,15 +74,7 @@ def forward_values(
     keys = list(leaves)
 
     def forward(*values):
-        env = dict(zip(keys, values))
-
-        def read(a):
-            return jx.literal_value(a) if jx.is_literal(a) else env[a]
-
-        for e in chain:
-            for v, o in zip(e.outvars, apply_eqn(e, [read(b) for b in e.invars])):
-                env[v] = o
-        return [read(a) for a in atoms]
+        return evaluate_eqns(chain, dict(zip(keys, values)), atoms)
 
     eqns, outs = jx.splice(forward, [leaves[k] for k in keys], source_info)
     return eqns, [a if jx.is_literal(a) else o for a, o in zip(atoms, outs)]
@@ -85,9 +82,10 @@ def forward_values(
 
 def _cheap(e: Any) -> bool:
     """Whether ``e`` may be evaluated again to recompute a forward value: no
-    body, no effects, and a few operations per result (no contraction)."""
-    return (
-        jx.call_body(e) is None
-        and not e.effects
-        and jx.primitive_name(e) not in ("dot_general", "conv_general_dilated")
-    )
+    body, no effects, and at most :data:`COST_PER_RESULT` operations per
+    element of its results by XLA's estimate (a contraction over more than a
+    few terms is not cheap)."""
+    if jx.call_body(e) is not None or e.effects:
+        return False
+    results = sum(math.prod(v.aval.shape) for v in e.outvars if not jx.is_dropvar(v))
+    return jx.cost(e) <= COST_PER_RESULT * max(results, 1)

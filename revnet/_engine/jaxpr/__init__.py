@@ -77,7 +77,13 @@ from revnet._engine.jaxpr.calls import (
     tag_kind,
     tag_of,
 )
-from revnet._engine.jaxpr.evaluate import bind, bind_params, context, eval_with
+from revnet._engine.jaxpr.evaluate import (
+    bind,
+    bind_params,
+    context,
+    cost,
+    eval_with,
+)
 from revnet._engine.jaxpr.hijax import (
     HI_CALL,
     REVNET_CALL,
@@ -125,6 +131,7 @@ __all__ = [
     "call_primitive_names",
     "caller_site",
     "closed_consts",
+    "cost",
     "cond_branches",
     "cond_with_branches",
     "context",

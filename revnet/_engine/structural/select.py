@@ -32,7 +32,7 @@ from revnet._engine import jaxpr as jx
 from revnet._engine import log_det, registry, runtime_checks
 from revnet._engine.analysis import Analysis
 from revnet._engine.errors import NotInvertibleError, degenerate
-from revnet._engine.interpreter import Handler, apply_eqn, register_handler
+from revnet._engine.interpreter import Handler, register_handler, run_cone
 from revnet._engine.plan import Select
 from revnet._engine.rule_check import abstract_solve
 
@@ -336,16 +336,9 @@ def _not_one_case(eqn) -> str:
 def _predicate_at(it, step, local):
     """The predicate of ``step``'s select, evaluated on one branch's candidate
     values ``local`` (the known inputs of its equations as they are)."""
-    w, env = it.wiring, {v: local[v] for v in step.vars}
-    for j in step.pred_eqns:
-        e = it.jaxpr.eqns[j]
-        ins = [
-            env[v] if v in env else it.read_in(j, n) for n, v in enumerate(w.eqn_ins[j])
-        ]
-        for o, val in zip(w.eqn_outs[j], apply_eqn(e, ins)):
-            if o is not None:
-                env[o] = val
-    return env[w.eqn_ins[step.eqn][0]]
+    env = {v: local[v] for v in step.vars}
+    env = run_cone(it.jaxpr, it.wiring, step.pred_eqns, env, it.read_in)
+    return env[it.wiring.eqn_ins[step.eqn][0]]
 
 
 class _SelectTerms(log_det.TermRule):
