@@ -27,6 +27,11 @@ mode, with ``mode="auto"`` (the default), ``"invert"``, ``"store"`` or
 ``"checkpoint"``, and ``anchor_every=k`` to store the carry every ``k``
 steps (:mod:`revnet.loops`).
 
+Per layer: a :class:`StackPlan` on any door's stack chooses which layers
+store their residuals (as plain backprop), which recompute from their input
+(as ``jax.checkpoint``) and which invert; where memory is to spare, storing
+is the fastest.
+
 What is kept: :func:`stored` lists what a differentiated function keeps for
 its backward pass (outputs, constants, decisions, stored carries, anchors),
 and a :class:`StoredGrowthWarning` says when that grows with depth or steps.
@@ -78,6 +83,7 @@ from revnet import exact, rules  # noqa: F401  (rules: the built-in inverse rule
 from revnet._engine import NotInvertibleError, register_inverse
 from revnet._engine.runtime_checks import set_runtime_checks
 from revnet._forward_and_log_det import forward_and_log_det
+from revnet._layers.plan import StackPlan
 from revnet._stored import StoredGrowthWarning, stored
 from revnet.drift import (
     DriftError,
@@ -99,6 +105,7 @@ __all__ = [
     "DriftReading",
     "DriftWarning",
     "NotInvertibleError",
+    "StackPlan",
     "StoredGrowthWarning",
     "custom_ivjp",
     "decision",

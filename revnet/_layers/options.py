@@ -3,7 +3,7 @@
 Every front door's ``ReversibleSequence``, and Haiku's ``RevNet`` and
 ``ReversibleTransformer`` (which build sequences), take the same options of
 how their stack runs: ``reversible``, ``anchor_every``, ``drift``,
-``decisions``, ``kinks`` and ``activation_sharding``. A module checks them
+``decisions``, ``kinks``, ``activation_sharding`` and ``plan``. A module checks them
 once, when it is made (:meth:`StackOptions.checked`, whose messages name the
 module), holds the one :class:`StackOptions` value and hands it to
 :func:`revnet._layers.stack.run_stack`; a model hands its value on to the
@@ -22,6 +22,7 @@ from typing import Any
 
 from revnet._checks import check_bool, check_int, check_monitor, check_sharding
 from revnet._engine import Storage
+from revnet._layers.plan import StackPlan, check_plan
 from revnet.drift import DriftMonitor
 
 
@@ -41,6 +42,9 @@ class StackOptions:
       activation_sharding: None, or the ``PartitionSpec`` or
         ``NamedSharding`` each layer's input and output are constrained to
         (see :mod:`revnet._layers.activation_sharding`).
+      plan: None, or a :class:`revnet.StackPlan`: how many layers store
+        their residuals or recompute from their input rather than invert
+        (``reversible`` stacks only; see :mod:`revnet._layers.plan`).
     """
 
     reversible: bool = True
@@ -48,6 +52,7 @@ class StackOptions:
     drift: DriftMonitor | None = None
     storage: Storage = Storage()
     activation_sharding: Any = None
+    plan: StackPlan | None = None
 
     @classmethod
     def checked(
@@ -58,6 +63,7 @@ class StackOptions:
         anchor_every: Any = None,
         drift: Any = None,
         activation_sharding: Any = None,
+        plan: Any = None,
         **storage: Any,
     ) -> StackOptions:
         """The options a module was given, checked in this order.
@@ -68,6 +74,7 @@ class StackOptions:
           anchor_every: As given.
           drift: As given.
           activation_sharding: As given.
+          plan: As given.
           **storage: The storage options as given (``decisions``, ``kinks``):
             the fields of :class:`revnet._engine.Storage`.
 
@@ -78,7 +85,8 @@ class StackOptions:
         Raises:
           TypeError: If ``reversible`` is not a bool, ``anchor_every`` not an
             integer, ``drift`` not a ``revnet.DriftMonitor`` or
-            ``activation_sharding`` not a sharding.
+            ``activation_sharding`` not a sharding, or ``plan`` not a
+            ``revnet.StackPlan``.
           ValueError: If ``anchor_every`` is not positive, or ``decisions`` or
             ``kinks`` is not one of its choices.
         """
@@ -88,7 +96,14 @@ class StackOptions:
         drift = check_monitor(module, "drift", drift)
         stored = Storage.checked(module, **storage)
         sharding = check_sharding(module, "activation_sharding", activation_sharding)
-        return cls(reversible, anchor_every, drift, stored, sharding)
+        plan = check_plan(module, plan)
+        if plan is not None and not reversible:
+            raise ValueError(
+                f"{module}: a plan chooses per layer among storing, recomputing "
+                "and inverting; with reversible=False every layer stores. Give "
+                "one or the other."
+            )
+        return cls(reversible, anchor_every, drift, stored, sharding, plan)
 
     @property
     def anchors(self) -> bool:
@@ -135,3 +150,8 @@ class OptionViews:
     def activation_sharding(self) -> Any:
         """See :class:`StackOptions`."""
         return self.options.activation_sharding
+
+    @property
+    def plan(self) -> StackPlan | None:
+        """See :class:`StackOptions`."""
+        return self.options.plan

@@ -44,6 +44,7 @@ from revnet._forward_and_log_det import derive
 from revnet._layers.activation_sharding import sharded_layer
 from revnet._layers.couplings import invert
 from revnet._layers.options import DEFAULTS, StackOptions
+from revnet._layers.plan import CHOICES, INVERT, REMAT
 from revnet.invertible import Invertible
 
 # A front door's log-determinant is one per example, and its method takes no
@@ -96,9 +97,11 @@ def _stack_fn(
     options: StackOptions,
     name: str,
     length: int | None = None,
+    remat: bool = False,
 ) -> Callable[[jax.Array], tuple[jax.Array, Any]]:
     """The function ``h -> (y, new_state)`` of the whole stack, closing over
-    ``per_layer``; anchored, it is a :func:`revnet.scan` of its own."""
+    ``per_layer``; anchored, it is a :func:`revnet.scan` of its own. With
+    ``remat``, each layer runs under ``jax.checkpoint``."""
     reversible, spec = options.reversible, options.activation_sharding
     anchored = reversible and options.anchors
     if callable(layer):
@@ -108,6 +111,10 @@ def _stack_fn(
             return body_layer(*xs, h)
 
         body.__name__ = name
+        if remat:
+            # Inside a scan no common subexpression spans two steps, so
+            # checkpoint's guard against CSE is not needed (JAX's advice).
+            body = jax.checkpoint(body, prevent_cse=False)
 
         def stack(h):
             if anchored:
@@ -134,6 +141,8 @@ def _stack_fn(
         layers = [
             checked_layer(sharded_layer(fn, spec), name, reversible) for fn in layer
         ]
+        if remat:
+            layers = [jax.checkpoint(fn) for fn in layers]
         triples = list(per_layer)
         if len(triples) != len(layers):
             raise ValueError(
@@ -196,10 +205,56 @@ def run_stack(
     >>> y.shape
     (2, 8)
     """
+    if options.plan is not None:
+        return _planned(layer, per_layer, h, options, name, length)
     stack = _stack_fn(layer, per_layer, options, name, length)
     if not options.anchors:
         stack = _reversible(stack, options)
     return stack(h)
+
+
+def _planned(layer, per_layer, h, options: StackOptions, name: str, length):
+    """Runs the plan's groups of layers one after another: those that store
+    (plain autodiff), those that recompute (``jax.checkpoint``), then those
+    that invert (as :func:`run_stack` runs a stack without a plan)."""
+    stacked = callable(layer)
+    depth = _depth(per_layer, length) if stacked else len(layer)
+    counts = options.plan.counts(depth, name)
+    plain = StackOptions(False, activation_sharding=options.activation_sharding)
+    rest = dataclasses.replace(options, plan=None)
+    start, states = 0, []
+    for choice, n in zip(CHOICES, counts):
+        if n == 0:
+            continue
+        group_layer, group = _group(layer, per_layer, start, n)
+        start += n
+        if choice == INVERT:
+            h, state = run_stack(group_layer, group, h, rest, name=name, length=n)
+        else:
+            fn = _stack_fn(group_layer, group, plain, name, n, remat=choice == REMAT)
+            h, state = fn(h)
+        states.append(state)
+    if not stacked:
+        return h, tuple(s for state in states for s in state)
+    return h, jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *states)
+
+
+def _depth(per_layer: PerLayer, length: int | None) -> int:
+    """The number of layers of a stacked ``per_layer``."""
+    leaves = jax.tree.leaves(per_layer)
+    if leaves:
+        return leaves[0].shape[0]
+    if length is None:
+        raise ValueError("a stack without per-layer arrays needs its length")
+    return length
+
+
+def _group(layer, per_layer, start: int, n: int):
+    """Layers ``start`` to ``start + n`` of a stack: its layer function(s)
+    and their per-layer values."""
+    if callable(layer):
+        return layer, jax.tree.map(lambda a: a[start : start + n], per_layer)
+    return layer[start : start + n], per_layer[start : start + n]
 
 
 def _reversible(fn: Callable, options: StackOptions) -> Callable:

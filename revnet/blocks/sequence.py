@@ -99,6 +99,7 @@ class ReversibleSequence(OptionViews, hk.Module):
         kinks: str = "recompute",
         activation_sharding: Any = None,
         compute_dtype: Any = None,
+        plan: Any = None,
     ):
         """Constructs the sequence.
 
@@ -136,6 +137,10 @@ class ReversibleSequence(OptionViews, hk.Module):
             mesh's axes Auto inside (``jax.sharding.auto_axes``), so that
             Haiku modules may hold tensor-parallel parameters, and its output
             is resharded to it. See :mod:`revnet.blocks.sharding`.
+          plan: None, or a :class:`revnet.StackPlan`: how many layers store
+            their residuals (as plain backprop) or recompute from their input
+            (as ``jax.checkpoint``) instead of inverting, the fastest choice
+            where memory is to spare. Needs ``reversible=True``.
           compute_dtype: None, or a floating point dtype (e.g.
             ``jnp.bfloat16``) in which the residual functions of the couplings
             in the block (``AdditiveCoupling``, ``AffineCoupling``, and those of
@@ -165,6 +170,7 @@ class ReversibleSequence(OptionViews, hk.Module):
             decisions=decisions,
             kinks=kinks,
             activation_sharding=activation_sharding,
+            plan=plan,
         )
         _build(self, block_fn, num_layers, options, compute_dtype)
 

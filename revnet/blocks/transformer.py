@@ -69,6 +69,7 @@ class ReversibleTransformer(hk.Module):
         kinks: str = "recompute",
         exact: bool = False,
         exact_bits: int | None = None,
+        plan: Any = None,
     ):
         """Constructs the encoder.
 
@@ -100,6 +101,10 @@ class ReversibleTransformer(hk.Module):
           kinks: ``"recompute"`` (default) or ``"store"``: also store, per
             layer, the branch of every ``max``/``min``/``abs``/``relu`` on
             rebuilt values, as in :class:`ReversibleSequence`.
+          plan: None, or a :class:`revnet.StackPlan`: how many layers store
+            their residuals (as plain backprop) or recompute from their input
+            (as ``jax.checkpoint``) instead of inverting, the fastest choice
+            where memory is to spare. Needs ``reversible=True``.
           exact: If True, the layers run on a fixed-point grid and the stream
             is rebuilt bit for bit (see :class:`AdditiveCoupling`).
           exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the
@@ -132,6 +137,7 @@ class ReversibleTransformer(hk.Module):
             decisions=decisions,
             kinks=kinks,
             activation_sharding=activation_sharding,
+            plan=plan,
         )
         compute_dtype = check_float_dtype(module, "compute_dtype", compute_dtype)
         exact, exact_bits = check_exact(module, exact, exact_bits)

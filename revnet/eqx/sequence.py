@@ -96,6 +96,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
         kinks: str = "recompute",
         activation_sharding: Any = None,
         compute_dtype: Any = None,
+        plan: Any = None,
     ):
         """Builds ``num_layers`` blocks with ``eqx.filter_vmap(make_block)``.
 
@@ -125,6 +126,10 @@ class ReversibleSequence(OptionViews, eqx.Module):
             ``axis_name=None``), such as ``P("data")``: each layer's input and
             output are constrained to it (under Explicit mesh axes each layer
             runs with the axes Auto inside), as in the Haiku door.
+          plan: None, or a :class:`revnet.StackPlan`: how many layers store
+            their residuals (as plain backprop) or recompute from their input
+            (as ``jax.checkpoint``) instead of inverting, the fastest choice
+            where memory is to spare. Needs ``reversible=True``.
           compute_dtype: None, or a floating point dtype (e.g.
             ``jnp.bfloat16``) in which the residual functions of the
             couplings in the blocks (:class:`AdditiveCoupling`,
@@ -169,6 +174,7 @@ class ReversibleSequence(OptionViews, eqx.Module):
             decisions=decisions,
             kinks=kinks,
             activation_sharding=activation_sharding,
+            plan=plan,
         )
         self.axis_name = axis_name
         compute = ComputeDtype.checked(_NAME, compute_dtype)

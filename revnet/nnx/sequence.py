@@ -108,6 +108,7 @@ class ReversibleSequence(OptionViews, nnx.Module):
         kinks: str = "recompute",
         activation_sharding: Any = None,
         compute_dtype: Any = None,
+        plan: Any = None,
     ):
         """Creates ``num_layers`` blocks with their variables stacked.
 
@@ -141,6 +142,10 @@ class ReversibleSequence(OptionViews, nnx.Module):
             stream, such as ``P("data")``: each layer's input and output are
             constrained to it (under Explicit mesh axes each layer runs with
             the axes Auto inside), as in the Haiku door.
+          plan: None, or a :class:`revnet.StackPlan`: how many layers store
+            their residuals (as plain backprop) or recompute from their input
+            (as ``jax.checkpoint``) instead of inverting, the fastest choice
+            where memory is to spare. Needs ``reversible=True``.
           compute_dtype: None, or a floating point dtype (e.g.
             ``jnp.bfloat16``) in which the residual functions of the
             couplings in the blocks (:class:`AdditiveCoupling`,
@@ -182,6 +187,7 @@ class ReversibleSequence(OptionViews, nnx.Module):
             decisions=decisions,
             kinks=kinks,
             activation_sharding=activation_sharding,
+            plan=plan,
         )
         compute = ComputeDtype.checked(_NAME, compute_dtype)
         self.compute_dtype = compute.dtype

@@ -12,7 +12,8 @@ framework would write it, through revnet's public front door, with:
   batch statistics) and dropout (rate :data:`RATE`), on an input ``x`` of
   shape ``[BATCH, WIDTH]``. The same ``seed`` gives the same parameters,
   reversible or not. It also takes the sequence's ``compute_dtype`` and
-  ``activation_sharding``, and ``exact`` (the couplings' ``exact=True``);
+  ``activation_sharding``, ``exact`` (the couplings' ``exact=True``) and
+  ``plan`` (a ``revnet.StackPlan``);
 * ``build_mixed(*, dtype, reversible, seed=0) -> Built``: a list of
   different blocks (that coupling, an affine coupling, that coupling again);
 * ``build_transformer(depth, *, dtype, reversible, compute_dtype=None,

@@ -113,6 +113,7 @@ def build(
     compute_dtype=None,
     activation_sharding=None,
     exact=False,
+    plan=None,
 ):
     def model(x):
         seq = blocks.ReversibleSequence(
@@ -123,6 +124,7 @@ def build(
             drift=drift,
             compute_dtype=compute_dtype,
             activation_sharding=activation_sharding,
+            plan=plan,
         )
         return seq(x)
 

@@ -165,6 +165,7 @@ def build(
     compute_dtype=None,
     activation_sharding=None,
     exact=False,
+    plan=None,
 ):
     return _built(
         _coupling(dtype, exact),
@@ -177,6 +178,7 @@ def build(
         drift=drift,
         compute_dtype=compute_dtype,
         activation_sharding=activation_sharding,
+        plan=plan,
     )
 
 
