@@ -30,7 +30,8 @@ steps (:mod:`revnet.loops`).
 Per layer: a :class:`StackPlan` on any door's stack chooses which layers
 store their residuals (as plain backprop), which recompute from their input
 (as ``jax.checkpoint``) and which invert; where memory is to spare, storing
-is the fastest.
+is the fastest. A :class:`Budget` instead finds the plan by compiling: the
+most stored layers that fit, then the most recomputed.
 
 What is kept: :func:`stored` lists what a differentiated function keeps for
 its backward pass (outputs, constants, decisions, stored carries, anchors),
@@ -83,6 +84,7 @@ from revnet import exact, rules  # noqa: F401  (rules: the built-in inverse rule
 from revnet._engine import NotInvertibleError, register_inverse
 from revnet._engine.runtime_checks import set_runtime_checks
 from revnet._forward_and_log_det import forward_and_log_det
+from revnet._layers.budget import Budget
 from revnet._layers.plan import StackPlan
 from revnet._stored import StoredGrowthWarning, stored
 from revnet.drift import (
@@ -100,6 +102,7 @@ from revnet.marks import decision, kink
 __version__ = "0.1.0"
 
 __all__ = [
+    "Budget",
     "DriftError",
     "DriftMonitor",
     "DriftReading",

@@ -20,9 +20,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from revnet._checks import check_bool, check_int, check_monitor, check_sharding
+from revnet._checks import (
+    check_bool,
+    check_int,
+    check_monitor,
+    check_sharding,
+    fail,
+)
 from revnet._engine import Storage
-from revnet._layers.plan import StackPlan, check_plan
+from revnet._layers.budget import Budget
+from revnet._layers.plan import StackPlan
 from revnet.drift import DriftMonitor
 
 
@@ -42,9 +49,11 @@ class StackOptions:
       activation_sharding: None, or the ``PartitionSpec`` or
         ``NamedSharding`` each layer's input and output are constrained to
         (see :mod:`revnet._layers.activation_sharding`).
-      plan: None, or a :class:`revnet.StackPlan`: how many layers store
-        their residuals or recompute from their input rather than invert
-        (``reversible`` stacks only; see :mod:`revnet._layers.plan`).
+      plan: None, a :class:`revnet.StackPlan` (how many layers store their
+        residuals or recompute from their input rather than invert), or a
+        :class:`revnet.Budget` the plan is found within by compiling
+        (``reversible`` stacks only; see :mod:`revnet._layers.plan` and
+        :mod:`revnet._layers.budget`).
     """
 
     reversible: bool = True
@@ -52,7 +61,7 @@ class StackOptions:
     drift: DriftMonitor | None = None
     storage: Storage = Storage()
     activation_sharding: Any = None
-    plan: StackPlan | None = None
+    plan: StackPlan | Budget | None = None
 
     @classmethod
     def checked(
@@ -96,7 +105,14 @@ class StackOptions:
         drift = check_monitor(module, "drift", drift)
         stored = Storage.checked(module, **storage)
         sharding = check_sharding(module, "activation_sharding", activation_sharding)
-        plan = check_plan(module, plan)
+        if plan is not None and not isinstance(plan, (StackPlan, Budget)):
+            raise fail(
+                module,
+                "plan",
+                plan,
+                "None, a revnet.StackPlan(store=..., remat=...) or a "
+                "revnet.Budget(bytes)",
+            )
         if plan is not None and not reversible:
             raise ValueError(
                 f"{module}: a plan chooses per layer among storing, recomputing "
@@ -152,6 +168,6 @@ class OptionViews:
         return self.options.activation_sharding
 
     @property
-    def plan(self) -> StackPlan | None:
+    def plan(self) -> StackPlan | Budget | None:
         """See :class:`StackOptions`."""
         return self.options.plan

@@ -13,9 +13,8 @@ a plan with ``k`` stored layers holds ``k`` layers' residuals and no more.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from revnet._checks import check_int, fail
+from revnet._checks import check_int
 
 STORE, REMAT, INVERT = "store", "remat", "invert"
 CHOICES = (STORE, REMAT, INVERT)
@@ -69,10 +68,3 @@ class StackPlan:
         """The choice of each of ``depth`` layers, in order."""
         store, remat, invert = self.counts(depth)
         return (STORE,) * store + (REMAT,) * remat + (INVERT,) * invert
-
-
-def check_plan(where: str, value: Any) -> StackPlan | None:
-    """Checks a module's ``plan`` argument: None or a :class:`StackPlan`."""
-    if value is None or isinstance(value, StackPlan):
-        return value
-    raise fail(where, "plan", value, "None or a revnet.StackPlan(store=..., remat=...)")

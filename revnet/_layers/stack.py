@@ -42,6 +42,7 @@ import jax
 import revnet
 from revnet._forward_and_log_det import derive
 from revnet._layers.activation_sharding import sharded_layer
+from revnet._layers.budget import Budget, cached, plan_within, step_bytes, structure
 from revnet._layers.couplings import invert
 from revnet._layers.options import DEFAULTS, StackOptions
 from revnet._layers.plan import CHOICES, INVERT, REMAT
@@ -219,7 +220,10 @@ def _planned(layer, per_layer, h, options: StackOptions, name: str, length):
     that invert (as :func:`run_stack` runs a stack without a plan)."""
     stacked = callable(layer)
     depth = _depth(per_layer, length) if stacked else len(layer)
-    counts = options.plan.counts(depth, name)
+    plan = options.plan
+    if isinstance(plan, Budget):
+        plan = _within(plan, layer, per_layer, h, options, name, depth)
+    counts = plan.counts(depth, name)
     plain = StackOptions(False, activation_sharding=options.activation_sharding)
     rest = dataclasses.replace(options, plan=None)
     start, states = 0, []
@@ -237,6 +241,27 @@ def _planned(layer, per_layer, h, options: StackOptions, name: str, length):
     if not stacked:
         return h, tuple(s for state in states for s in state)
     return h, jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *states)
+
+
+def _within(budget, layer, per_layer, h, options, name: str, depth: int):
+    """The plan of the stack within ``budget`` (:mod:`revnet._layers.budget`)."""
+    limit = budget.bytes(name)
+
+    def measure(plan):
+        planned = dataclasses.replace(options, plan=plan)
+
+        def outputs(per_layer, h):
+            return run_stack(layer, per_layer, h, planned, name=name, length=depth)[0]
+
+        return step_bytes(outputs, per_layer, h)
+
+    key = (
+        structure(layer, per_layer, h),
+        depth,
+        limit,
+        dataclasses.replace(options, plan=None),
+    )
+    return cached(key, lambda: plan_within(limit, measure, depth, name))
 
 
 def _depth(per_layer: PerLayer, length: int | None) -> int:

@@ -23,6 +23,7 @@ forward scan under ordinary autodiff: the honest baseline.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -137,10 +138,11 @@ class ReversibleSequence(OptionViews, hk.Module):
             mesh's axes Auto inside (``jax.sharding.auto_axes``), so that
             Haiku modules may hold tensor-parallel parameters, and its output
             is resharded to it. See :mod:`revnet.blocks.sharding`.
-          plan: None, or a :class:`revnet.StackPlan`: how many layers store
-            their residuals (as plain backprop) or recompute from their input
-            (as ``jax.checkpoint``) instead of inverting, the fastest choice
-            where memory is to spare. Needs ``reversible=True``.
+          plan: None, a :class:`revnet.StackPlan` (how many layers store
+            their residuals, as plain backprop, or recompute from their input,
+            as ``jax.checkpoint``, instead of inverting: the fastest choice
+            where memory is to spare), or a :class:`revnet.Budget` in which
+            the plan is found by compiling. Needs ``reversible=True``.
           compute_dtype: None, or a floating point dtype (e.g.
             ``jnp.bfloat16``) in which the residual functions of the couplings
             in the block (``AdditiveCoupling``, ``AffineCoupling``, and those of
@@ -204,11 +206,16 @@ class ReversibleSequence(OptionViews, hk.Module):
         # do not change its type inside the reversible function.
         x = constrain(x, self.activation_sharding)
         layer, per_layer = self._layers(x, args, kwargs)
+        options = self.options
+        if hk.running_init():
+            # Initialisation needs the values only, which every plan gives:
+            # a budget is planned for the step that trains.
+            options = dataclasses.replace(options, plan=None)
         y, new_states = run_stack(
             layer,
             per_layer,
             x,
-            self.options,
+            options,
             name=self.module_name,
             length=self.num_layers,
         )

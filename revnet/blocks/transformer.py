@@ -101,10 +101,11 @@ class ReversibleTransformer(hk.Module):
           kinks: ``"recompute"`` (default) or ``"store"``: also store, per
             layer, the branch of every ``max``/``min``/``abs``/``relu`` on
             rebuilt values, as in :class:`ReversibleSequence`.
-          plan: None, or a :class:`revnet.StackPlan`: how many layers store
-            their residuals (as plain backprop) or recompute from their input
-            (as ``jax.checkpoint``) instead of inverting, the fastest choice
-            where memory is to spare. Needs ``reversible=True``.
+          plan: None, a :class:`revnet.StackPlan` (how many layers store
+            their residuals, as plain backprop, or recompute from their input,
+            as ``jax.checkpoint``, instead of inverting: the fastest choice
+            where memory is to spare), or a :class:`revnet.Budget` in which
+            the plan is found by compiling. Needs ``reversible=True``.
           exact: If True, the layers run on a fixed-point grid and the stream
             is rebuilt bit for bit (see :class:`AdditiveCoupling`).
           exact_bits: With ``exact``, the grid ``2**-exact_bits`` (None: the

@@ -142,10 +142,11 @@ class ReversibleSequence(OptionViews, nnx.Module):
             stream, such as ``P("data")``: each layer's input and output are
             constrained to it (under Explicit mesh axes each layer runs with
             the axes Auto inside), as in the Haiku door.
-          plan: None, or a :class:`revnet.StackPlan`: how many layers store
-            their residuals (as plain backprop) or recompute from their input
-            (as ``jax.checkpoint``) instead of inverting, the fastest choice
-            where memory is to spare. Needs ``reversible=True``.
+          plan: None, a :class:`revnet.StackPlan` (how many layers store
+            their residuals, as plain backprop, or recompute from their input,
+            as ``jax.checkpoint``, instead of inverting: the fastest choice
+            where memory is to spare), or a :class:`revnet.Budget` in which
+            the plan is found by compiling. Needs ``reversible=True``.
           compute_dtype: None, or a floating point dtype (e.g.
             ``jnp.bfloat16``) in which the residual functions of the
             couplings in the blocks (:class:`AdditiveCoupling`,

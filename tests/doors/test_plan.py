@@ -119,7 +119,7 @@ def test_a_list_of_layers_takes_a_plan(plan):
 @pytest.mark.parametrize(
     "options, error, message",
     [
-        (dict(plan=(1, 2)), TypeError, r"plan must be None or a revnet.StackPlan"),
+        (dict(plan=(1, 2)), TypeError, r"plan must be None, a revnet.StackPlan"),
         (
             dict(plan=revnet.StackPlan(store=1), reversible=False),
             ValueError,
