@@ -207,51 +207,79 @@ def run_stack(
     (2, 8)
     """
     if options.plan is not None:
-        return _planned(layer, per_layer, h, options, name, length)
+        y, new_state = _planned(layer, per_layer, h, options, name, length)
+        return y, new_state
     stack = _stack_fn(layer, per_layer, options, name, length)
     if not options.anchors:
         stack = _reversible(stack, options)
     return stack(h)
 
 
-def _planned(layer, per_layer, h, options: StackOptions, name: str, length):
+def _call(fn: Callable, h: jax.Array) -> tuple:
+    """Runs one group of a plan's layers: ``fn(h)``."""
+    return fn(h)
+
+
+def _planned(
+    layer,
+    per_layer,
+    h,
+    options: StackOptions,
+    name: str,
+    length,
+    run_group: Callable = _call,
+    kind: Any = None,
+):
     """Runs the plan's groups of layers one after another: those that store
     (plain autodiff), those that recompute (``jax.checkpoint``), then those
-    that invert (as :func:`run_stack` runs a stack without a plan)."""
+    that invert (as :func:`run_stack` runs a stack without a plan).
+
+    ``run_group(fn, h)`` runs one group's function ``fn`` (``h -> (y,
+    new_state)``) and returns ``(y, new_state, *more)``: by default, calls
+    it. With ``more``, each of its items is summed over the groups. ``kind``
+    tells the cache of plans one ``run_group`` from another."""
     stacked = callable(layer)
     depth = _depth(per_layer, length) if stacked else len(layer)
     plan = options.plan
     if isinstance(plan, Budget):
-        plan = _within(plan, layer, per_layer, h, options, name, depth)
+        plan = _within(plan, layer, per_layer, h, options, name, depth, run_group, kind)
     counts = plan.counts(depth, name)
     plain = StackOptions(False, activation_sharding=options.activation_sharding)
     rest = dataclasses.replace(options, plan=None)
-    start, states = 0, []
+    start, states, totals = 0, [], None
     for choice, n in zip(CHOICES, counts):
         if n == 0:
             continue
         group_layer, group = _group(layer, per_layer, start, n)
         start += n
         if choice == INVERT:
-            h, state = run_stack(group_layer, group, h, rest, name=name, length=n)
+            fn = _stack_fn(group_layer, group, rest, name, n)
+            fn = fn if rest.anchors else _reversible(fn, rest)
         else:
             fn = _stack_fn(group_layer, group, plain, name, n, remat=choice == REMAT)
-            h, state = fn(h)
+        h, state, *more = run_group(fn, h)
         states.append(state)
+        totals = more if totals is None else [a + b for a, b in zip(totals, more)]
     if not stacked:
-        return h, tuple(s for state in states for s in state)
-    return h, jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *states)
+        state = tuple(s for state in states for s in state)
+    else:
+        state = jax.tree.map(lambda *xs: jax.numpy.concatenate(xs), *states)
+    return (h, state, *totals)
 
 
-def _within(budget, layer, per_layer, h, options, name: str, depth: int):
-    """The plan of the stack within ``budget`` (:mod:`revnet._layers.budget`)."""
+def _within(
+    budget, layer, per_layer, h, options, name: str, depth: int, run_group, kind
+):
+    """The plan of the stack within ``budget`` (:mod:`revnet._layers.budget`),
+    each group run by ``run_group`` (see :func:`_planned`)."""
     limit = budget.bytes(name)
 
     def measure(plan):
         planned = dataclasses.replace(options, plan=plan)
 
         def outputs(per_layer, h):
-            return run_stack(layer, per_layer, h, planned, name=name, length=depth)[0]
+            y, _, *more = _planned(layer, per_layer, h, planned, name, depth, run_group)
+            return sum((jax.numpy.sum(m) for m in more), jax.numpy.sum(y))
 
         return step_bytes(outputs, per_layer, h)
 
@@ -260,6 +288,7 @@ def _within(budget, layer, per_layer, h, options, name: str, depth: int):
         depth,
         limit,
         dataclasses.replace(options, plan=None),
+        kind,
     )
     return cached(key, lambda: plan_within(limit, measure, depth, name))
 
@@ -354,10 +383,22 @@ def run_stack_with_log_det(
             f"{name}: forward_and_log_det runs the stack in one reversible call; "
             "it takes no anchor_every or drift (build the flow without them)."
         )
-    stack = _stack_fn(layer, per_layer, options, name, length)
     refusal = STATE_READS_INPUT.format(name=name)
-    fn = _reversible(stack, options)
-    (y, new_state), log_det = derive(fn, (h,), (), batch_ndim, PER_EXAMPLE, aux=refusal)
+
+    def with_log_det(fn, h):
+        (y, new_state), log_det = derive(
+            fn, (h,), (), batch_ndim, PER_EXAMPLE, aux=refusal
+        )
+        return y, new_state, log_det
+
+    if options.plan is not None:
+        kind = ("log_det", batch_ndim)
+        y, new_state, log_det = _planned(
+            layer, per_layer, h, options, name, length, with_log_det, kind
+        )
+        return y, log_det, new_state
+    fn = _reversible(_stack_fn(layer, per_layer, options, name, length), options)
+    y, new_state, log_det = with_log_det(fn, h)
     return y, log_det, new_state
 
 
