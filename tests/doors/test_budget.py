@@ -34,8 +34,8 @@ def _inputs(dtype=jnp.float32):
     return (w, None, None), x
 
 
-def _bytes(plan) -> int:
-    per_layer, x = _inputs()
+def _bytes(plan, dtype=jnp.float32) -> int:
+    per_layer, x = _inputs(dtype)
     options = StackOptions(plan=plan)
 
     def outputs(per_layer, h):
@@ -94,7 +94,8 @@ def test_a_budget_below_the_smallest_plan_is_refused_in_one_line():
 def test_gradients_within_a_budget_equal_plain_autodiff(dtype):
     with jax.enable_x64(dtype == jnp.float64):
         per_layer, x = _inputs(dtype)
-        low, high = _bytes(revnet.StackPlan()), _bytes(revnet.StackPlan(DEPTH))
+        low = _bytes(revnet.StackPlan(), dtype)
+        high = _bytes(revnet.StackPlan(DEPTH), dtype)
         options = StackOptions(plan=revnet.Budget((low + high) // 2))
 
         def loss(w, x, options):
