@@ -225,3 +225,13 @@ def test_log_det_checker_catches_a_wrong_log_det():
     counts, failures = log_dets.run(10, seed=9, log_det=off)
     assert counts["ok"] == 0 and counts["wrong"] > 0, counts
     assert all("slogdet(jacfwd)" in f for f in failures), failures
+
+
+@pytest.mark.parametrize("index", [2642, 107146])
+def test_programs_once_refused_are_accepted(index):
+    """Programs of ``make fuzz`` (seed 1) that recomputing a small
+    contraction (a product over 4 terms) from stored decisions' copies left
+    unsolvable: contractions are stored, and these invert."""
+    prog = fz.draw_program(1, index, list(fz.CONSTRUCTS))
+    outcome, message = fz.check_program(prog)
+    assert outcome == "accepted", message

@@ -81,7 +81,6 @@ from revnet._engine.jaxpr.evaluate import (
     bind,
     bind_params,
     context,
-    cost,
     eval_with,
 )
 from revnet._engine.jaxpr.hijax import (
@@ -131,7 +130,6 @@ __all__ = [
     "call_primitive_names",
     "caller_site",
     "closed_consts",
-    "cost",
     "cond_branches",
     "cond_with_branches",
     "context",

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from revnet._engine.jaxpr.atoms import JaxprEqn, aval_key, is_dropvar, is_literal
+from revnet._engine.jaxpr.atoms import JaxprEqn, is_dropvar, is_literal
 
 
 def _bind_args(eqn: JaxprEqn) -> tuple[tuple, dict[str, Any]]:
@@ -68,33 +68,3 @@ def eval_with(
             if not is_dropvar(v):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
-
-
-_COSTS: dict = {}
-
-
-def cost(eqn: JaxprEqn) -> float:
-    """XLA's estimate of the operations one equation performs (its flops and
-    transcendentals), from its lowering alone on its input types; infinite
-    when it cannot be lowered alone. Cached per primitive, params and types.
-    """
-    ins = [a.aval for a in eqn.invars]
-    try:
-        key = (eqn.primitive, tuple(sorted(eqn.params.items())))
-        key += tuple(aval_key(a) for a in ins)
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and key in _COSTS:
-        return _COSTS[key]
-    try:
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ins]
-        found = jax.jit(lambda *a: bind(eqn, *a)).lower(*structs).cost_analysis()
-        if isinstance(found, list):  # older releases: one dict per program
-            found = found[0]
-        value = float(found.get("flops", 0.0) + found.get("transcendentals", 0.0))
-    except Exception:  # a sharded or effectful equation: not estimated
-        value = float("inf")
-    if key is not None:
-        _COSTS[key] = value
-    return value
