@@ -207,17 +207,18 @@ def run_stack(
     (2, 8)
     """
     if options.plan is not None:
-        y, new_state = _planned(layer, per_layer, h, options, name, length)
-        return y, new_state
+        return tuple(_planned(layer, per_layer, h, options, name, length))
+    return _unplanned(layer, per_layer, options, name, length)(h)
+
+
+def _unplanned(layer, per_layer, options: StackOptions, name: str, length):
+    """``h -> (y, new_state)`` of a stack without a plan (see :func:`run_stack`)."""
     stack = _stack_fn(layer, per_layer, options, name, length)
-    if not options.anchors:
-        stack = _reversible(stack, options)
-    return stack(h)
+    return stack if options.anchors else _reversible(stack, options)
 
 
 def _call(fn: Callable, h: jax.Array) -> tuple:
-    """Runs one group of a plan's layers: ``fn(h)``."""
-    return fn(h)
+    return fn(h)  # one group of a plan's layers
 
 
 def _planned(
@@ -253,8 +254,7 @@ def _planned(
         group_layer, group = _group(layer, per_layer, start, n)
         start += n
         if choice == INVERT:
-            fn = _stack_fn(group_layer, group, rest, name, n)
-            fn = fn if rest.anchors else _reversible(fn, rest)
+            fn = _unplanned(group_layer, group, rest, name, n)
         else:
             fn = _stack_fn(group_layer, group, plain, name, n, remat=choice == REMAT)
         h, state, *more = run_group(fn, h)
@@ -397,7 +397,7 @@ def run_stack_with_log_det(
             layer, per_layer, h, options, name, length, with_log_det, kind
         )
         return y, log_det, new_state
-    fn = _reversible(_stack_fn(layer, per_layer, options, name, length), options)
+    fn = _unplanned(layer, per_layer, options, name, length)
     y, new_state, log_det = with_log_det(fn, h)
     return y, log_det, new_state
 
